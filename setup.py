@@ -1,0 +1,38 @@
+"""megatron_rl: full-pipeline FP8 reinforcement learning for LLMs, kept stable by Calibrated Clipping."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    # CPU-installable core. torch is pinned by the Makefile on CPU machines (see README).
+    "torch>=2.6",
+    "megatron-core>=0.16.1",
+    "transformers>=4.56",
+    "safetensors>=0.4",
+    "tensorboard>=2.15",
+    "pyyaml>=6.0",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    "packaging",
+    "psutil",
+    "einops",
+    "pyarrow>=14",
+    "math-verify>=0.7",
+]
+
+EXTRAS = {
+    # GPU-only stack: imported lazily, in one place each (megatron_rl/fp8/te_recipe.py,
+    # megatron_rl/rollout/sglang_engine.py). Never `apex` from PyPI: it is an unrelated package.
+    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang>=0.5.5", "nvidia-modelopt>=0.33"],
+    "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"],
+}
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Full-pipeline FP8 RL (GRPO, DAPO) for LLMs on Megatron-Core, stable with Calibrated Clipping",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
