@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` (the tiny FP8 + Calibrated Clipping RL run on CPU)
+# and `make test` (the CPU test suite). Each sets up its own virtual environment first.
+# On a GPU machine: `make setup TORCH_SPEC=torch EXTRAS=gpu,test` installs the CUDA build and the GPU extras.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= test
+DEMO_CONFIG ?= examples/tiny/fp8_calibrated.yaml
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+demo: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train $(DEMO_CONFIG)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+bench: setup
+	for b in tools/bench/*.py; do OMP_NUM_THREADS=2 $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,49 @@
+"""Command line: `megatron-rl train CONFIG.yaml [section.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megatron_rl.config import load_config
+
+EPILOG = """examples:
+  megatron-rl train examples/tiny/fp8_calibrated.yaml
+  megatron-rl train examples/tiny/bf16.yaml train.num_steps=10 log.dir=runs/bf16
+  megatron-rl train examples/tiny/fp8_calibrated.yaml --resume
+  torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl",
+        description="Full-pipeline FP8 RL (GRPO / DAPO) on Megatron-Core, stable with Calibrated Clipping.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run RL training from a YAML config",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("config", help="YAML config file (see examples/)")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.num_steps=10")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+        cfg = load_config(args.config, overrides)
+    except ValueError as err:
+        print(f"megatron-rl: error: {err}", file=sys.stderr)
+        return 2
+    from megatron_rl.train import run  # heavy imports (torch, megatron) only after the config is valid
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""Typed, nested run configuration: YAML files plus `section.key=value` overrides, validated at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TRAIN_RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+ROLLOUT_QUANTS = ("bf16", "fp8_blockwise", "fp8_tensorwise")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str = ""
+    """HF checkpoint folder (config.json + safetensors). Empty: build the tiny built-in model below."""
+    tiny_arch: str = "qwen2"
+    """Architecture of the tiny built-in model (llama | qwen2 | qwen3), used when hf_dir is empty."""
+    tiny_hidden_size: int = 128
+    tiny_num_layers: int = 2
+    tiny_num_heads: int = 4
+    tiny_num_kv_heads: int = 2
+    tiny_ffn_hidden_size: int = 256
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    """Data-parallel size is world_size / (tp * pp)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """The precision contract (design.md section 3): read by the trainer, weight sync and engine."""
+
+    train_recipe: str = "bf16"
+    """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8. On CPU the FP8 recipes are emulated."""
+    fp8_format: str = "hybrid"
+    """hybrid (E4M3 forward, E5M2 backward) | e4m3."""
+    amax_history_len: int = 1024
+    """Delayed scaling only: length of the amax history (TE DelayedScaling default)."""
+    rollout_quant: str = "bf16"
+    """bf16 | fp8_blockwise (W8A8: weights 128x128, activations 1x128 dynamic) | fp8_tensorwise."""
+    weight_block_size: list[int] = field(default_factory=lambda: [128, 128])
+    scale_format: str = "fp32"
+    """fp32 | ue8m0 (power-of-two scales, as DeepGEMM and Blackwell want)."""
+    high_precision: list[str] = field(
+        default_factory=lambda: ["embed_tokens", "lm_head", "norm"])
+    """HF-name substrings of tensors that stay high precision everywhere."""
+
+
+@dataclass
+class AlgoConfig:
+    """Advantage estimator and policy loss; knob names follow slime/miles."""
+
+    advantage_estimator: str = "grpo"
+    """grpo (group-normalised) | dr_grpo (no std) | rloo (leave-one-out baseline)."""
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    """DAPO clip-higher uses 0.28."""
+    eps_clip_c: float | None = None
+    """Dual-clip constant (> 1) for negative advantages; None disables it."""
+    loss_agg_mode: str = "token-mean"
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards all agree (no advantage signal)."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: linear penalty within the last N tokens before max_new_tokens; 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    use_tis: bool = True
+    tis_mode: str = "truncate"
+    """truncate (TIS) | icepop (MIS: mask tokens whose rollout ratio leaves [icepop_low, icepop_high])."""
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    use_rollout_logprobs: bool = False
+    """Use the engine's log-probs as old log-probs instead of a trainer recompute."""
+    kl_loss_type: str = "k3"
+    kl_loss_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class CalibConfig:
+    """Calibrated Clipping (paper.md 1.4)."""
+
+    enabled: bool = False
+    period: int = 20
+    """K: recalibrate (two BF16 shadow forwards) every K steps."""
+    smoothing: float = 1.0
+    """EMA weight of a new calibration (1.0 = take it as is)."""
+    mode: str = "two_sided"
+    """two_sided (L by quantile matching, H rebalanced) | lower_only (the one-sided ablation)."""
+    num_bins: int = 4096
+    """Histogram resolution over log r (the all-reduce payload does not grow with tokens)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "torch"
+    """torch (embedded, in-process) | sglang (GPU servers)."""
+    n_samples_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+@dataclass
+class SyncConfig:
+    bucket_size_mb: float = 512.0
+    check: bool = False
+    """Compare checksums of what the engine holds with what was sent, after every sync."""
+
+
+@dataclass
+class DataConfig:
+    task: str = "sort"
+    """Built-in task for the tiny demo; ignored when `path` is set."""
+    path: str = ""
+    """Prompt dataset (.jsonl or .parquet)."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_len: int = 64
+    num_examples: int = 4096
+    """Built-in tasks: how many prompts to generate."""
+    prompts_per_step: int = 16
+
+
+@dataclass
+class RewardConfig:
+    name: str = ""
+    """Reward function by name; empty = the built-in task's own reward."""
+    timeout_s: float = 10.0
+
+
+@dataclass
+class TrainConfig:
+    num_steps: int = 40
+    num_mini_batches: int = 2
+    """Optimizer steps per RL step (PPO mini-batches)."""
+    ppo_epochs: int = 1
+    micro_batch_size: int = 16
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    seed: int = 1234
+    sft_steps: int = 0
+    """Supervised warm start (built-in tasks) before RL."""
+    sft_lr: float = 1e-3
+    sft_batch_size: int = 32
+
+
+@dataclass
+class LogConfig:
+    dir: str = "runs/default"
+    tensorboard: bool = True
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0
+    """Steps between checkpoints (0 = only at the end when `save_final`)."""
+    save_final: bool = True
+    resume: bool = False
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_CHOICES = {
+    "precision.train_recipe": TRAIN_RECIPES,
+    "precision.fp8_format": ("hybrid", "e4m3"),
+    "precision.rollout_quant": ROLLOUT_QUANTS,
+    "precision.scale_format": ("fp32", "ue8m0"),
+    "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo"),
+    "algo.loss_agg_mode": LOSS_AGG_MODES,
+    "algo.tis_mode": ("truncate", "icepop"),
+    "algo.kl_loss_type": ("k1", "k2", "k3"),
+    "calib.mode": ("two_sided", "lower_only"),
+    "rollout.engine": ("torch", "sglang"),
+    "model.tiny_arch": ("llama", "qwen2", "qwen3"),
+}
+
+_POSITIVE = (
+    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "calib.period", "calib.num_bins", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
+    "data.prompts_per_step", "data.max_prompt_len", "train.num_mini_batches", "train.ppo_epochs",
+    "train.micro_batch_size", "rollout.temperature", "sync.bucket_size_mb", "reward.timeout_s",
+)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting ints to floats; ValueError names `key`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key '{key}': expected a list, got {value!r}")
+        return [_coerce(v, args[0], key) for v in value]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key '{key}': expected true/false, got {value!r}")
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    raise ValueError(f"config key '{key}': expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _apply(section: Any, updates: dict[str, Any], prefix: str) -> None:
+    hints = typing.get_type_hints(type(section))
+    for key, value in updates.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            known = ", ".join(sorted(hints))
+            raise ValueError(f"unknown config key '{path}' (known in this section: {known})")
+        current = getattr(section, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key '{path}' is a section; expected a mapping, got {value!r}")
+            _apply(current, value, f"{path}.")
+        else:
+            setattr(section, key, _coerce(value, hints[key], path))
+
+
+def _get(cfg: RunConfig, path: str) -> Any:
+    obj: Any = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check value ranges and cross-field rules; raise one ValueError naming the key."""
+    for path, choices in _CHOICES.items():
+        if _get(cfg, path) not in choices:
+            raise ValueError(f"config key '{path}': {_get(cfg, path)!r} is not one of {list(choices)}")
+    for path in _POSITIVE:
+        if not _get(cfg, path) > 0:
+            raise ValueError(f"config key '{path}': must be > 0, got {_get(cfg, path)!r}")
+    if not 0.0 < cfg.algo.eps_clip < 1.0:
+        raise ValueError(f"config key 'algo.eps_clip': must be in (0, 1), got {cfg.algo.eps_clip}")
+    if cfg.algo.eps_clip_high <= 0.0:
+        raise ValueError(f"config key 'algo.eps_clip_high': must be > 0, got {cfg.algo.eps_clip_high}")
+    if cfg.algo.eps_clip_c is not None and cfg.algo.eps_clip_c <= 1.0:
+        raise ValueError(f"config key 'algo.eps_clip_c': dual-clip needs c > 1, got {cfg.algo.eps_clip_c}")
+    if not 0.0 < cfg.calib.smoothing <= 1.0:
+        raise ValueError(f"config key 'calib.smoothing': must be in (0, 1], got {cfg.calib.smoothing}")
+    if not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ValueError(f"config key 'rollout.top_p': must be in (0, 1], got {cfg.rollout.top_p}")
+    if len(cfg.precision.weight_block_size) != 2 or min(cfg.precision.weight_block_size) <= 0:
+        raise ValueError("config key 'precision.weight_block_size': expected two positive ints, "
+                         f"got {cfg.precision.weight_block_size}")
+    if cfg.rollout.n_samples_per_prompt < 2:
+        raise ValueError("config key 'rollout.n_samples_per_prompt': group advantages need >= 2 "
+                         f"samples per prompt, got {cfg.rollout.n_samples_per_prompt}")
+    if cfg.calib.enabled and cfg.precision.train_recipe == "bf16":
+        raise ValueError("config key 'calib.enabled': calibrated clipping calibrates FP8 against the "
+                         "BF16 shadow; it needs precision.train_recipe other than 'bf16'")
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse `section.key=value` (value in YAML syntax) into (dotted key, value)."""
+    if "=" not in text:
+        raise ValueError(f"override '{text}': expected section.key=value")
+    key, raw = text.split("=", 1)
+    if "." not in key:
+        raise ValueError(f"override '{text}': expected section.key=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Build a RunConfig from a YAML file (optional) and `section.key=value` overrides, validated."""
+    cfg = RunConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path}: expected a mapping at the top level")
+        _apply(cfg, data, "")
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply(cfg, _nest(key, value), "")
+    return validate(cfg)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
