@@ -100,6 +100,9 @@ class CalibConfig:
     """two_sided (L by quantile matching, H rebalanced) | lower_only (the one-sided ablation)."""
     num_bins: int = 4096
     """Histogram resolution over log r (the all-reduce payload does not grow with tokens)."""
+    diagnose: bool = False
+    """Run the BF16 shadow every `period` steps for telemetry (false-clip rate, log-ratio std)
+    even when calibration is off: how the vanilla-FP8 failure is measured."""
 
 
 @dataclass
@@ -286,7 +289,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.rollout.n_samples_per_prompt < 2:
         raise ValueError("config key 'rollout.n_samples_per_prompt': group advantages need >= 2 "
                          f"samples per prompt, got {cfg.rollout.n_samples_per_prompt}")
-    if cfg.calib.enabled and cfg.precision.train_recipe == "bf16":
+    if (cfg.calib.enabled or cfg.calib.diagnose) and cfg.precision.train_recipe == "bf16":
         raise ValueError("config key 'calib.enabled': calibrated clipping calibrates FP8 against the "
                          "BF16 shadow; it needs precision.train_recipe other than 'bf16'")
     return cfg

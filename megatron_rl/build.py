@@ -1,0 +1,168 @@
+"""Build every component of a run from its config: parallel state, data, actor, engine, sync, logs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.config import RunConfig, save_config
+
+log = logging.getLogger("megatron_rl.build")
+
+
+@dataclass
+class Run:
+    """Everything the loop touches. `engine` and the transport exist on the engine rank only."""
+
+    cfg: RunConfig
+    parallel: Any
+    tokenizer: Any
+    loader: Any
+    actor: Any
+    engine: Any
+    sync: Any
+    rewards: Any
+    controller: Any
+    logger: Any
+    checkpointer: Any
+    reward_stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_engine_rank(self) -> bool:
+        return self.parallel.tp_rank == 0 and self.parallel.pp_rank == 0
+
+    @property
+    def is_log_rank(self) -> bool:
+        return self.parallel.rank == 0
+
+    def resume_step(self) -> int:
+        if not self.cfg.checkpoint.resume:
+            return 0
+        return self.checkpointer.load_latest(self)
+
+    def maybe_save(self, step: int) -> None:
+        every = self.cfg.checkpoint.save_every
+        last = step == self.cfg.train.num_steps - 1
+        if (every and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_final):
+            self.checkpointer.save(self, step + 1)
+
+    def finish(self) -> None:
+        self.logger.close()
+        if self.is_log_rank:
+            log.info("summary\n%s", self.logger.summary())
+            if self.cfg.log.plot and self.logger.history:
+                from megatron_rl.plotting import plot_runs
+                png = plot_runs({Path(self.cfg.log.dir).name: self.logger.history},
+                                Path(self.cfg.log.dir) / "curves.png",
+                                title=f"{self.cfg.precision.train_recipe} "
+                                      f"calib={'on' if self.cfg.calib.enabled else 'off'}")
+                log.info("curves written to %s", png)
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.rewards.close()
+
+
+def build_fp8_recipe(cfg: RunConfig):
+    from megatron_rl.fp8 import Fp8Recipe
+    return Fp8Recipe.from_contract(cfg.precision.train_recipe, cfg.precision.fp8_format,
+                                   amax_history_len=cfg.precision.amax_history_len)
+
+
+def build_model_dir(cfg: RunConfig, parallel) -> Path:
+    """The HF folder to start from: the user's, or the tiny warm-started one (built on rank 0)."""
+    if cfg.model.hf_dir:
+        path = Path(cfg.model.hf_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"config key 'model.hf_dir': no HF checkpoint (config.json) in {path}")
+        return path
+    from megatron_rl.warmstart import prepare_tiny_model
+    cache = Path(cfg.log.dir).parent / ".tiny_models"
+    if parallel.rank == 0:
+        prepare_tiny_model(cfg, cache)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return prepare_tiny_model(cfg, cache)
+
+
+def build_data(cfg: RunConfig, tokenizer, parallel):
+    from megatron_rl.data.datasets import PromptDataset, PromptLoader
+    from megatron_rl.data.tasks import make_task_dataset
+
+    kw = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+              max_prompt_len=cfg.data.max_prompt_len)
+    if cfg.data.path:
+        path = Path(cfg.data.path)
+        reader = PromptDataset.from_parquet if path.suffix == ".parquet" else PromptDataset.from_jsonl
+        dataset = reader(path, tokenizer, **kw)
+    else:
+        records = make_task_dataset(cfg.data.task, cfg.data.num_examples, seed=cfg.train.seed)
+        dataset = PromptDataset.from_records(records, tokenizer, **kw)
+    if cfg.data.prompts_per_step % parallel.dp_size:
+        raise ValueError(f"config key 'data.prompts_per_step': {cfg.data.prompts_per_step} is not "
+                         f"divisible by the data-parallel size {parallel.dp_size}")
+    return PromptLoader(dataset, batch_size=cfg.data.prompts_per_step, seed=cfg.train.seed)
+
+
+def build_rewards(cfg: RunConfig):
+    from megatron_rl.data.tasks import get_task
+    from megatron_rl.rewards import RewardRunner, get_reward_fn
+
+    name = cfg.reward.name or (get_task(cfg.data.task).reward_fn if not cfg.data.path else "math_verify")
+    return RewardRunner(get_reward_fn(name), timeout_s=cfg.reward.timeout_s)
+
+
+def build_engine(cfg: RunConfig, model_dir: Path):
+    if cfg.rollout.engine != "torch":
+        raise ValueError(f"config key 'rollout.engine': {cfg.rollout.engine!r} needs a GPU; "
+                         "the embedded engine is 'torch'")
+    from megatron_rl.rollout.torch_engine import TorchRolloutEngine
+    p = cfg.precision
+    return TorchRolloutEngine(model_dir, rollout_quant=p.rollout_quant,
+                              weight_block_size=tuple(p.weight_block_size), scale_format=p.scale_format,
+                              high_precision=tuple(p.high_precision), seed=cfg.train.seed)
+
+
+def build_controller(cfg: RunConfig):
+    from megatron_rl.algo.calibrated_clip import CalibratedClipController
+    c, a = cfg.calib, cfg.algo
+    return CalibratedClipController(eps_low=a.eps_clip, eps_high=a.eps_clip_high, period=c.period,
+                                    smoothing=c.smoothing, num_bins=c.num_bins, mode=c.mode)
+
+
+def build_run(cfg: RunConfig) -> Run:
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.parallel import init_parallel
+    from megatron_rl.checkpoint import Checkpointer
+    from megatron_rl.sync.quantize import RolloutQuantSpec
+    from megatron_rl.sync.transport import InProcessTransport
+    from megatron_rl.sync.weight_sync import WeightSync
+    from megatron_rl.telemetry import MetricsLogger
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(cfg.train.seed)
+    parallel = init_parallel(cfg.parallel.tensor_model_parallel_size,
+                             cfg.parallel.pipeline_model_parallel_size, seed=cfg.train.seed)
+    model_dir = build_model_dir(cfg, parallel)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    loader = build_data(cfg, tokenizer, parallel)
+    t = cfg.train
+    actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
+                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed)
+    actor.load_hf(model_dir)
+    is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
+    engine = build_engine(cfg, model_dir) if is_engine else None
+    transport = InProcessTransport(engine) if is_engine else None
+    sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
+                      bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
+    checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints")
+    start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
+    logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
+                           total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0)
+    if parallel.rank == 0:
+        save_config(cfg, Path(cfg.log.dir) / "config.yaml")
+    return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),
+               build_controller(cfg), logger, checkpointer)

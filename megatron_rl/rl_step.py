@@ -1,0 +1,221 @@
+"""The three phases of one RL step: generate + score, prepare old log-probs, PPO updates."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.rl_batch import Batch, collate, mini_batches
+
+
+@dataclass
+class Rollout:
+    batch: Batch | None  # None when dynamic sampling dropped every group
+    metrics: dict[str, float]
+
+
+def _step_seed(seed: int, step: int, salt: int) -> int:
+    """Per-step seeds: a resumed run draws exactly what an uninterrupted one would."""
+    return (seed * 1_000_003 + step * 7_919 + salt * 104_729) % (2**31 - 1)
+
+
+def _shard(prompts: list, parallel) -> list:
+    per_rank = len(prompts) // parallel.dp_size
+    return prompts[parallel.dp_rank * per_rank: (parallel.dp_rank + 1) * per_rank]
+
+
+def _generate_on_engine(run, prompts, step: int):
+    from megatron_rl.rollout.base import SamplingParams
+
+    r = run.cfg.rollout
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              stop_token_ids=[run.tokenizer.eos_token_id], n=r.n_samples_per_prompt,
+                              seed=_step_seed(run.cfg.train.seed, step, run.parallel.dp_rank))
+    return run.engine.generate([p.prompt_ids for p in prompts], sampling)
+
+
+def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards [N] (+ DAPO overlong shaping) and reward-runner error counts."""
+    from megatron_rl.algo.advantages import overlong_penalty
+
+    n = run.cfg.rollout.n_samples_per_prompt
+    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    answers = [prompts[i // n].answer for i in range(len(samples))]
+    rewards, stats = run.rewards.score(texts, answers)
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    a = run.cfg.algo
+    if a.overlong_buffer_len > 0:
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        rewards = rewards + overlong_penalty(lengths, run.cfg.rollout.max_new_tokens,
+                                             a.overlong_buffer_len, a.overlong_penalty_factor)
+    return rewards, {"reward/errors": float(stats["num_errors"]),
+                     "reward/timeouts": float(stats["num_timeouts"])}
+
+
+def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
+    from megatron_rl.algo.advantages import grpo_advantages
+
+    est = run.cfg.algo.advantage_estimator
+    return grpo_advantages(rewards, run.cfg.rollout.n_samples_per_prompt,
+                           norm_by_std=est == "grpo", leave_one_out=est == "rloo")
+
+
+def generate(run, prompts, step: int) -> Rollout:
+    """Engine rank samples; its model-parallel peers receive the samples by broadcast."""
+    from megatron_rl.algo.advantages import dynamic_sampling_keep
+
+    t0 = time.perf_counter()
+    prompts = _shard(prompts, run.parallel)
+    samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
+    samples = _broadcast_from_engine_rank(samples, run.parallel)
+    t_rollout = time.perf_counter() - t0
+    rewards, metrics = _score(run, prompts, samples)
+    n = run.cfg.rollout.n_samples_per_prompt
+    keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    metrics.update(_reduced_means(run, {"reward/mean": rewards, "reward/sq": rewards**2,
+                                        "response_length/mean": lengths,
+                                        "dynamic_sampling/kept_frac": keep.float()}))
+    metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
+    metrics["time/rollout"] = t_rollout
+    kept_total = _reduce_sum(run, float(keep.sum()))
+    if kept_total == 0:
+        metrics["step/skipped"] = 1.0
+        return Rollout(None, metrics)
+    advantages = _advantages(run, rewards)
+    batch = collate(samples, advantages, run.tokenizer.pad_token_id)
+    metrics["step/skipped"] = 0.0
+    return Rollout(_drop_groups(batch, keep, run.parallel.dp_size), metrics)
+
+
+def _drop_groups(batch: Batch, keep: torch.Tensor, dp_size: int) -> Batch:
+    """DAPO dynamic sampling. One rank: drop the rows. Several DP ranks: zero the dropped rows'
+    loss mask instead, so every rank keeps a non-empty batch for the collectives while the loss,
+    its denominator and the metrics see exactly the kept rows."""
+    if bool(keep.all()):
+        return batch
+    if dp_size == 1:
+        return {k: v[keep] for k, v in batch.items()}
+    batch["loss_mask"] = batch["loss_mask"] * keep[:, None]
+    batch["advantages"] = batch["advantages"] * keep[:, None]
+    return batch
+
+
+def _broadcast_from_engine_rank(samples, parallel):
+    """Samples from the first rank of the model-parallel group to the group's other ranks."""
+    if parallel.tp_size * parallel.pp_size == 1:
+        return samples
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_model_parallel_group()
+    payload = [samples]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    return payload[0]
+
+
+def _reduce_sum(run, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    return float(run.parallel.dp_reducer()(t)[0])
+
+
+def _reduced_means(run, named: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Means over the global batch: sums and counts all-reduced over DP in one call."""
+    stacked = torch.tensor([[float(v.sum()), float(v.numel())] for v in named.values()], dtype=torch.float64)
+    stacked = run.parallel.dp_reducer()(stacked)
+    return {k: float(s / max(c, 1.0)) for k, (s, c) in zip(named, stacked.tolist())}
+
+
+def prepare(run, batch: Batch, step: int, metrics: dict[str, float]) -> Batch:
+    """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's) and, on calibration
+    steps, the BF16 shadow old log-probs at the same weights."""
+    t0 = time.perf_counter()
+    mbs = run.cfg.train.micro_batch_size
+    if run.cfg.algo.use_rollout_logprobs:
+        batch["old_logprobs"] = batch["rollout_logprobs"].clone()
+    else:
+        batch["old_logprobs"] = run.actor.compute_logprobs(batch, micro_batch_size=mbs, with_entropy=False)["logprobs"]
+    if _shadow_step(run, step):
+        batch["old_logprobs_ref"] = run.actor.compute_logprobs(
+            batch, micro_batch_size=mbs, with_entropy=False, fp8=False)["logprobs"]
+    metrics["time/old_logprobs"] = time.perf_counter() - t0
+    return batch
+
+
+def _shadow_step(run, step: int) -> bool:
+    c = run.cfg.calib
+    return (c.enabled or c.diagnose) and step % c.period == 0
+
+
+def _bounds(run) -> tuple[float, float]:
+    a = run.cfg.algo
+    return run.controller.bounds if run.cfg.calib.enabled else (1.0 - a.eps_clip, 1.0 + a.eps_clip_high)
+
+
+def _calibrate(run, mb: Batch) -> dict[str, float]:
+    """BF16 shadow at the current weights on the calibration mini-batch -> new (L, H)."""
+    mbs = run.cfg.train.micro_batch_size
+    cur8 = run.actor.compute_logprobs(mb, micro_batch_size=mbs, with_entropy=False)["logprobs"]
+    cur16 = run.actor.compute_logprobs(mb, micro_batch_size=mbs, with_entropy=False, fp8=False)["logprobs"]
+    mask = mb["loss_mask"]
+    ratio8 = torch.exp((cur8 - mb["old_logprobs"]) * mask)
+    ratio16 = torch.exp((cur16 - mb["old_logprobs_ref"]) * mask)
+    mb["ratio_ref"] = ratio16
+    reduce = run.parallel.dp_reducer()
+    out = {}
+    if run.cfg.calib.enabled:
+        out = run.controller.update(ratio8, ratio16, mb["advantages"], mask, reduce=reduce)
+    logr16 = torch.log(ratio16)[mask > 0]
+    logr8 = torch.log(ratio8)[mask > 0]
+    out.update(_reduced_means(run, {"shadow/log_ratio_bf16_mean": logr16, "shadow/log_ratio_bf16_sq": logr16**2,
+                                     "shadow/log_ratio_fp8_mean": logr8, "shadow/log_ratio_fp8_sq": logr8**2}))
+    for tag in ("bf16", "fp8"):
+        mean = out[f"shadow/log_ratio_{tag}_mean"]
+        out[f"shadow/log_ratio_{tag}_std"] = max(out.pop(f"shadow/log_ratio_{tag}_sq") - mean**2, 0.0) ** 0.5
+    return out
+
+
+def _loss_fn(run, denominator: float, bounds: tuple[float, float]):
+    from megatron_rl.algo.policy_loss import policy_loss
+
+    a = run.cfg.algo
+
+    def loss_fn(logprobs, entropy, mb):
+        return policy_loss(
+            logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], denominator=denominator,
+            clip_low=bounds[0], clip_high=bounds[1], eps_clip_c=a.eps_clip_c, loss_agg_mode=a.loss_agg_mode,
+            rollout_logprobs=mb["rollout_logprobs"], use_tis=a.use_tis, tis_clip=a.tis_clip,
+            tis_clip_low=a.tis_clip_low, tis_mode=a.tis_mode, icepop_low=a.icepop_low,
+            icepop_high=a.icepop_high, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
+            entropy=entropy, entropy_coef=a.entropy_coef, ratio_ref=mb.get("ratio_ref"),
+            ref_clip_low=1.0 - a.eps_clip)
+    return loss_fn
+
+
+def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
+    """PPO epochs over shuffled mini-batches; on shadow steps the last mini-batch calibrates first."""
+    from megatron_rl.algo.metrics import reduce_metrics
+    from megatron_rl.algo.policy_loss import loss_denominator
+
+    t0 = time.perf_counter()
+    cfg, reduce = run.cfg, run.parallel.dp_reducer()
+    gen = torch.Generator().manual_seed(_step_seed(cfg.train.seed, step, 7))
+    loss_metrics, out = [], {}
+    grad_norms = []
+    for epoch in range(cfg.train.ppo_epochs):
+        parts = mini_batches(batch, cfg.train.num_mini_batches, gen)
+        for i, mb in enumerate(parts):
+            if "old_logprobs_ref" in mb and epoch == cfg.train.ppo_epochs - 1 and i == len(parts) - 1:
+                out.update(_calibrate(run, mb))
+            denominator = loss_denominator(mb["loss_mask"], cfg.algo.loss_agg_mode, reduce=reduce)
+            result = run.actor.train_step(mb, _loss_fn(run, denominator, _bounds(run)),
+                                          micro_batch_size=cfg.train.micro_batch_size)
+            loss_metrics.extend(result["metrics"])
+            grad_norms.append(result["grad_norm"])
+    out.update(reduce_metrics(loss_metrics, reduce=reduce))
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["calib/low"], out["calib/high"] = _bounds(run)
+    out["time/train"] = time.perf_counter() - t0
+    return out

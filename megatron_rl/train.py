@@ -1,0 +1,55 @@
+"""The RL loop: rollout -> reward -> advantages -> old log-probs -> PPO updates -> weight sync -> log -> save.
+
+Run with `megatron-rl train CONFIG.yaml [section.key=value ...]`, or on several processes with
+`torchrun --nproc-per-node N -m megatron_rl.train CONFIG.yaml ...`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+
+from megatron_rl import build, rl_step
+from megatron_rl.config import RunConfig, load_config
+
+log = logging.getLogger("megatron_rl.train")
+
+
+def run(cfg: RunConfig) -> dict[str, float]:
+    """Train for cfg.train.num_steps RL steps; returns the last step's metrics."""
+    run_ = build.build_run(cfg)
+    start = run_.resume_step()
+    run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
+    metrics: dict[str, float] = {}
+    for step in range(start, cfg.train.num_steps):
+        t0 = time.perf_counter()
+        prompts = run_.loader.next_batch()
+        rollout = rl_step.generate(run_, prompts, step)
+        metrics = dict(rollout.metrics)
+        if rollout.batch is not None:
+            batch = rl_step.prepare(run_, rollout.batch, step, metrics)
+            metrics.update(rl_step.update_policy(run_, batch, step))
+            metrics.update(run_.sync.sync())
+        metrics["time/step"] = time.perf_counter() - t0
+        run_.logger.log(step, metrics)
+        run_.maybe_save(step)
+    run_.finish()
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m megatron_rl.train CONFIG.yaml [section.key=value ...]")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(load_config(argv[0], argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    torch.multiprocessing.set_start_method("spawn", force=True)
+    sys.exit(main())
