@@ -1,1 +1,23 @@
-"""megatron_rl.rewards"""
+"""Reward functions (exact match, math-verify), their registry, and the timeout-guarded runner."""
+
+from megatron_rl.rewards.functions import (
+    REWARD_FNS,
+    RewardFn,
+    exact_match,
+    get_reward_fn,
+    math_verify_reward,
+    position_match,
+    register_reward_fn,
+)
+from megatron_rl.rewards.runner import RewardRunner
+
+__all__ = [
+    "REWARD_FNS",
+    "RewardFn",
+    "RewardRunner",
+    "exact_match",
+    "get_reward_fn",
+    "math_verify_reward",
+    "position_match",
+    "register_reward_fn",
+]

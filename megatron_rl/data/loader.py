@@ -1,0 +1,81 @@
+"""Deterministic, resumable prompt batches over epochs: the data position of the RL checkpoint."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator
+
+from megatron_rl.data.datasets import PromptDataset, PromptItem
+
+
+class PromptLoader:
+    """Endless fixed-size batches of PromptItem; epoch e is a permutation seeded by (seed, e).
+
+    A batch that crosses an epoch end takes the rest from the next epoch's order, so every batch has
+    exactly `batch_size` items. `state_dict()` after k batches, loaded into a fresh loader over the
+    same dataset, yields exactly the batches k+1, k+2, ... of the uninterrupted run.
+
+        loader = PromptLoader(dataset, batch_size=8, seed=1)
+        for step in range(num_steps):
+            items = loader.next_batch()
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(dataset) == 0:
+            raise ValueError("PromptLoader needs a non-empty dataset")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0  # index into the current epoch's order
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            # A string seed is hashed with SHA-512 by random.Random: stable across runs and platforms.
+            random.Random(f"prompt-loader:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next_batch(self) -> list[PromptItem]:
+        """The next `batch_size` items (in the epoch's order, wrapping into the next epoch)."""
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position == len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(self.batch_size - len(batch), len(self._order) - self.position)
+            batch.extend(self.dataset[i] for i in self._order[self.position : self.position + take])
+            self.position += take
+        return batch
+
+    def __iter__(self) -> Iterator[list[PromptItem]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints and a bool: safe for JSON and `torch.load(weights_only=True)`."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_items": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the position. ValueError if the dataset size differs (the order would too)."""
+        if state["num_items"] != len(self.dataset):
+            raise ValueError(
+                f"loader state num_items={state['num_items']} != dataset size {len(self.dataset)}: "
+                "the dataset changed since the checkpoint"
+            )
+        if not 0 <= state["position"] <= state["num_items"]:
+            raise ValueError(f"loader state position={state['position']} out of range")
+        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order(self.epoch)

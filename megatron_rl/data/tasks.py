@@ -1,0 +1,115 @@
+"""Built-in verifiable tasks (sort, reverse, add) for the tiny CPU demo, with SFT warm-start data.
+
+Prompts are short character strings for the character tokenizer (`char_tokenizer.py`):
+
+    sort:31415=   -> 11345      (sort the digits ascending)
+    rev:31415=    -> 51413      (reverse the digits)
+    add:47+38=    -> 85         (sum of two n-digit numbers, no leading zeros)
+
+A ~1M-parameter model gets a useful fraction of these exactly right after a short SFT warm start,
+so GRPO groups have reward variance from the first step. `exact_match` is each task's reward;
+`position_match` (fraction of correct characters) is the partial-credit option.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One built-in task: an example generator and the names of its reward functions."""
+
+    name: str
+    make_example: Callable[..., tuple[str, str]]  # (rng, **options) -> (prompt, answer)
+    defaults: dict[str, int] = field(default_factory=dict)  # option name -> default value
+    reward_fn: str = "exact_match"  # name in megatron_rl.rewards registry
+    partial_reward_fn: str = "position_match"
+
+
+def _digits(rng: random.Random, min_len: int, max_len: int) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(rng.randint(min_len, max_len)))
+
+
+def _sort_example(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
+    digits = _digits(rng, min_len, max_len)
+    return f"sort:{digits}=", "".join(sorted(digits))
+
+
+def _reverse_example(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str]:
+    digits = _digits(rng, min_len, max_len)
+    return f"rev:{digits}=", digits[::-1]
+
+
+def _add_example(rng: random.Random, num_digits: int) -> tuple[str, str]:
+    low, high = 10 ** (num_digits - 1), 10**num_digits - 1
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    return f"add:{a}+{b}=", str(a + b)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "sort": TaskSpec("sort", _sort_example, {"min_len": 3, "max_len": 6}),
+    "reverse": TaskSpec("reverse", _reverse_example, {"min_len": 3, "max_len": 6}),
+    "add": TaskSpec("add", _add_example, {"num_digits": 2}),
+}
+
+
+def get_task(task: str) -> TaskSpec:
+    """Look up a built-in task by name; ValueError lists the known names."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known tasks: {sorted(TASKS)}")
+    return TASKS[task]
+
+
+def _resolve_options(spec: TaskSpec, options: dict[str, int]) -> dict[str, int]:
+    unknown = sorted(set(options) - set(spec.defaults))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for task {spec.name!r}; known: {sorted(spec.defaults)}")
+    merged = {**spec.defaults, **options}
+    for key, value in merged.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"task {spec.name!r} option {key}={value!r} must be a positive int")
+    if merged.get("min_len", 0) > merged.get("max_len", 1 << 30):
+        raise ValueError(f"task {spec.name!r}: min_len={merged['min_len']} > max_len={merged['max_len']}")
+    return merged
+
+
+def make_task_dataset(task: str, num_examples: int, seed: int, **options: int) -> list[dict[str, str]]:
+    """Generate `num_examples` records {"prompt": str, "answer": str}, deterministic in `seed`.
+
+    `options` override the task's defaults (sort/reverse: min_len, max_len; add: num_digits).
+    The records feed `PromptDataset.from_records` directly.
+    """
+    spec = get_task(task)
+    opts = _resolve_options(spec, options)
+    if num_examples < 1:
+        raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    rng = random.Random(seed)
+    records = []
+    for _ in range(num_examples):
+        prompt, answer = spec.make_example(rng, **opts)
+        records.append({"prompt": prompt, "answer": answer})
+    return records
+
+
+def sft_examples(
+    task: str, tokenizer: "PreTrainedTokenizerBase", num: int, seed: int, **options: int
+) -> list[tuple[list[int], list[int]]]:
+    """Tokenized warm-start pairs: (prompt_ids with bos, answer_ids followed by eos_token_id).
+
+    The loss of an SFT warm start is taken on the answer ids only; appending eos teaches the model
+    to stop, which the rollout engine then sees as finish_reason "stop".
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token; SFT targets need one to teach stopping")
+    pairs = []
+    for record in make_task_dataset(task, num, seed, **options):
+        prompt_ids = tokenizer(record["prompt"])["input_ids"]
+        answer_ids = tokenizer(record["answer"], add_special_tokens=False)["input_ids"]
+        pairs.append((list(prompt_ids), list(answer_ids) + [tokenizer.eos_token_id]))
+    return pairs

@@ -1,0 +1,69 @@
+"""Verifiable reward functions (exact match, per-position match, math-verify) and their registry.
+
+A reward function maps (response: str, answer: str) -> float. It may raise or hang: the
+RewardRunner (runner.py) turns either into reward 0.0 and counts it, so functions stay simple.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+RewardFn = Callable[[str, str], float]
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 if the response equals the answer after stripping surrounding whitespace, else 0.0."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+def position_match(response: str, answer: str) -> float:
+    """Partial credit: fraction of character positions that agree, over the longer length.
+
+    "12345" vs "12305" -> 0.8; a response one character too long loses 1/len; "" vs "" -> 1.0.
+    Surrounding whitespace is stripped first, as in exact_match.
+    """
+    response, answer = response.strip(), answer.strip()
+    longest = max(len(response), len(answer))
+    if longest == 0:
+        return 1.0
+    return sum(r == a for r, a in zip(response, answer)) / longest
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 if math-verify finds the response's final answer equivalent to the gold answer.
+
+    The gold answer is parsed as LaTeX: a bare gold such as "x^2+1" or "\\frac{1}{2}" is wrapped
+    in $...$ first, because math-verify only extracts anchored LaTeX from it otherwise. The
+    response may give its answer in \\boxed{}, $...$ or plain text ("The answer is 72.").
+    math-verify bounds its own parsing with SIGALRM, which works only in a process's main thread;
+    the RewardRunner's worker calls functions there.
+    """
+    from math_verify import parse, verify  # lazy: sympy and antlr take ~0.5 s to import
+
+    if "$" not in answer and "\\boxed" not in answer:
+        answer = f"${answer}$"
+    gold = parse(answer)
+    if not gold:
+        raise ValueError(f"math-verify could not parse the gold answer {answer!r}")
+    return 1.0 if verify(gold, parse(response)) else 0.0
+
+
+REWARD_FNS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "position_match": position_match,
+    "math_verify": math_verify_reward,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """Look up a reward function by name; ValueError lists the registered names."""
+    if name not in REWARD_FNS:
+        raise ValueError(f"unknown reward function {name!r}; registered: {sorted(REWARD_FNS)}")
+    return REWARD_FNS[name]
+
+
+def register_reward_fn(name: str, fn: RewardFn) -> None:
+    """Register a user reward function under `name` (e.g. from an examples/ task module)."""
+    if name in REWARD_FNS and REWARD_FNS[name] is not fn:
+        raise ValueError(f"reward function {name!r} is already registered")
+    REWARD_FNS[name] = fn

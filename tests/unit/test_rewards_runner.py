@@ -1,0 +1,83 @@
+"""RewardRunner: raising, hanging, dying and non-numeric reward functions score 0 and are counted."""
+
+import logging
+import os
+import time
+
+import pytest
+
+from megatron_rl.rewards import RewardRunner, exact_match
+
+
+def picky(response, answer):
+    """Behaves per response: the test's only source of failures."""
+    if response == "raise":
+        raise KeyError("boom")
+    if response == "hang":
+        time.sleep(60)
+    if response == "die":
+        os._exit(3)
+    if response == "nan":
+        return float("nan")
+    if response == "none":
+        return None
+    return 1.0 if response == answer else 0.25
+
+
+def test_good_function_scores_in_order():
+    with RewardRunner(exact_match, timeout_s=5.0) as runner:
+        rewards, stats = runner.score(["1", "2", " 3 "], ["1", "3", "3"])
+        assert rewards == [1.0, 0.0, 1.0]
+        assert stats == {"num_errors": 0, "num_timeouts": 0}
+        assert runner.score([], []) == ([], {"num_errors": 0, "num_timeouts": 0})
+
+
+def test_raising_function_scores_zero_and_is_counted(caplog):
+    responses = ["a", "raise", "b", "nan", "none", "raise"]
+    answers = ["a", "x", "c", "x", "x", "x"]
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rewards.runner"):
+        with RewardRunner(picky, timeout_s=5.0) as runner:
+            rewards, stats = runner.score(responses, answers)
+            assert runner.num_restarts == 0  # an exception does not cost the worker
+    assert rewards == [1.0, 0.0, 0.25, 0.0, 0.0, 0.0]
+    assert stats == {"num_errors": 4, "num_timeouts": 0}
+    assert "item 1 scored 0.0: KeyError: 'boom'" in caplog.text
+    assert "item 3 scored 0.0: ValueError: non-finite reward nan" in caplog.text
+    assert "item 4 scored 0.0: TypeError" in caplog.text
+
+
+def test_hanging_function_times_out_and_the_rest_is_scored(caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rewards.runner"):
+        with RewardRunner(picky, timeout_s=0.5) as runner:
+            start = time.monotonic()
+            rewards, stats = runner.score(["a", "hang", "b", "hang", "c"], ["a", "x", "b", "x", "x"])
+            elapsed = time.monotonic() - start
+            assert rewards == [1.0, 0.0, 1.0, 0.0, 0.25]
+            assert stats == {"num_errors": 0, "num_timeouts": 2}
+            assert elapsed < 10.0  # two 0.5 s timeouts, not two 60 s sleeps
+            assert runner.num_restarts == 2
+            again, stats = runner.score(["q"], ["q"])  # the restarted worker keeps serving
+            assert again == [1.0] and stats == {"num_errors": 0, "num_timeouts": 0}
+    assert "item 1 scored 0.0: timed out after 0.5 s" in caplog.text
+
+
+def test_dying_worker_is_an_error_and_restarted():
+    with RewardRunner(picky, timeout_s=5.0) as runner:
+        rewards, stats = runner.score(["a", "die", "b"], ["a", "x", "x"])
+        assert rewards == [1.0, 0.0, 0.25]
+        assert stats == {"num_errors": 1, "num_timeouts": 0}
+
+
+def test_closures_run_under_fork():
+    offset = 0.5
+    with RewardRunner(lambda r, a: float(r == a) + offset, timeout_s=5.0) as runner:
+        assert runner.score(["1", "2"], ["1", "1"])[0] == [1.5, 0.5]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardRunner(exact_match, timeout_s=0)
+    with pytest.raises(ValueError, match="mp_context 'threads'"):
+        RewardRunner(exact_match, mp_context="threads")
+    with RewardRunner(exact_match) as runner, pytest.raises(ValueError, match="2 responses but 1 answers"):
+        runner.score(["a", "b"], ["a"])
