@@ -1,0 +1,363 @@
+"""Clipped-surrogate policy loss (PPO/GRPO/DAPO, dual-clip, TIS/IcePop, KL, entropy) with a global denominator.
+
+Shapes: B = sequences in the micro-batch, T = padded response length. All per-token inputs are
+[B, T] float with `mask` [B, T] (1 = response token). Semantics chosen among the peer frameworks
+(docs/algo.md explains each choice):
+  ratio      r = exp(logprobs - old_logprobs), log-ratio clamped to +-20 before exp (zero gradient
+             beyond; keeps A = 0 tokens from making NaN); masked positions are zeroed with
+             torch.where, so padding holding NaN or garbage cannot leak in.
+  loss       max(-A r, -A clip(r, L, H)), and for A < 0 with dual-clip min(that, -c A).
+  clipped    a token counts as clipped only when the clipped branch binds strictly (ties and A = 0
+             are not clipped); a clipped token has exactly zero gradient.
+  aggregate  sum over this micro-batch divided by the GLOBAL `denominator` (loss_denominator), so
+             the sum of the returned losses over micro-batches and DP ranks is the loss of the whole
+             batch. DDP that averages gradients over ranks needs the loss scaled by dp_size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from megatron_rl.algo.kl import KL_TYPES, kl_estimate
+from megatron_rl.algo.metrics import Metrics, Reducer, identity_reduce, masked_metric, mean_and_square, metric
+from megatron_rl.algo.rollout_correction import check_correction_args, importance_weights, mismatch_metrics
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# exp(20) ~ 5e8: far outside any trust region, still finite in float32 (as verl).
+LOG_RATIO_CLAMP = 20.0
+
+
+def bounds_from_eps(eps_clip: float = 0.2, eps_clip_high: float | None = None) -> tuple[float, float]:
+    """Ratio bounds (L, H) = (1 - eps_clip, 1 + eps_clip_high), eps_clip_high defaulting to eps_clip.
+
+    GRPO: eps 0.2 / 0.2; DAPO clip-higher: 0.2 / 0.28.
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    if not 0.0 <= eps_clip < 1.0:
+        raise ValueError(f"eps_clip must be in [0, 1), got {eps_clip}")
+    if high < 0.0:
+        raise ValueError(f"eps_clip_high must be >= 0, got {high}")
+    return 1.0 - eps_clip, 1.0 + high
+
+
+class ClipMasks(NamedTuple):
+    """Boolean [B, T] masks of tokens whose gradient the clip zeroes, by cause."""
+
+    low: torch.Tensor  # A < 0 and r < L
+    high: torch.Tensor  # A > 0 and r > H
+    dual: torch.Tensor  # A < 0 and the dual-clip bound -c A binds
+
+
+def clipped_surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, ClipMasks]:
+    """The one clipped-surrogate primitive: per-token loss -A * f(r) and the binding-clip masks.
+
+    f(r) = L where (A < 0, r < L), H where (A > 0, r > H), c where dual-clip binds (A < 0, f > c),
+    else r. This equals max(-A r, -A clip(r, L, H)) [then min(., -c A) for A < 0] in value, and
+    selects branches with torch.where, so the gradient is exactly -A r dlogp unclipped and exactly 0
+    clipped (torch.maximum would split the gradient of ties).
+
+    Args:
+        log_ratio: [B, T] float, logprobs - old_logprobs (carries grad).
+        advantages: [B, T] float, per token.
+        clip_low, clip_high: ratio bounds L < H.
+        eps_clip_c: dual-clip constant c > 1, or None.
+
+    Returns:
+        per-token loss [B, T] (not masked) and ClipMasks.
+    """
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    neg, pos = advantages < 0, advantages > 0
+    low = neg & (ratio < clip_low)
+    high = pos & (ratio > clip_high)
+    factor = torch.where(low, clip_low, torch.where(high, clip_high, ratio))
+    dual = torch.zeros_like(low)
+    if eps_clip_c is not None:
+        dual = neg & (factor > eps_clip_c)
+        factor = torch.where(dual, eps_clip_c, factor)
+    return -advantages * factor, ClipMasks(low, high, dual)
+
+
+def _local_count(valid: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Local share of the denominator: valid tokens, or sequences holding at least one valid token."""
+    if loss_agg_mode == "token-mean":
+        return valid.sum()
+    return (valid.sum(dim=-1) > 0).sum()
+
+
+def aggregate(values: torch.Tensor, valid: torch.Tensor, loss_agg_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator of the aggregated loss and this micro-batch's share of the denominator.
+
+    token-mean:           sum_bt v                      / total valid tokens
+    seq-mean-token-mean:  sum_b (sum_t v / n_b)         / total non-empty sequences
+    seq-mean-token-sum:   sum_b sum_t v                 / total non-empty sequences
+    Fully masked rows are left out of the sequence count (as verl; slime and NeMo-RL count them).
+
+    Args:
+        values: [B, T] float; valid: [B, T] bool.
+
+    Returns:
+        (numerator scalar with grad, local count scalar long).
+    """
+    values = torch.where(valid, values, 0.0)
+    if loss_agg_mode == "token-mean":
+        numerator = values.sum()
+    elif loss_agg_mode == "seq-mean-token-mean":
+        numerator = (values.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)).sum()
+    elif loss_agg_mode == "seq-mean-token-sum":
+        numerator = values.sum()
+    else:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    return numerator, _local_count(valid, loss_agg_mode)
+
+
+def loss_denominator(
+    mask: torch.Tensor | Sequence[torch.Tensor],
+    loss_agg_mode: str = "token-mean",
+    reduce: Reducer | None = None,
+) -> float:
+    """The global denominator for `policy_loss`: counted over all micro-batches, summed over DP.
+
+    Args:
+        mask: [B, T] response mask, or a sequence of them (this rank's micro-batches of the step).
+        loss_agg_mode: see `aggregate`.
+        reduce: sums a float tensor across DP ranks in place (all_reduce on the DP group); called once.
+
+    Returns:
+        total valid tokens (token-mean) or non-empty sequences (seq-mean-*), at least 1: an all-masked
+        global batch then gives loss 0 and zero gradient instead of 0 / 0.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    masks = [mask] if isinstance(mask, torch.Tensor) else list(mask)
+    local = sum((_local_count(m.bool(), loss_agg_mode).double() for m in masks), torch.zeros((), dtype=torch.float64))
+    total = (reduce or identity_reduce)(local.reshape(1))
+    return max(float(total.item()), 1.0)
+
+
+def _check_args(logprobs: torch.Tensor, denominator: float, clip_low: float, clip_high: float, eps_clip_c: float | None, loss_agg_mode: str, kl_loss_type: str) -> None:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    if kl_loss_type not in KL_TYPES:
+        raise ValueError(f"kl_loss_type must be one of {KL_TYPES}, got {kl_loss_type!r}")
+    if not float(denominator) > 0.0:
+        raise ValueError(f"denominator must be > 0, got {denominator}")
+    if not 0.0 <= clip_low < clip_high:
+        raise ValueError(f"need 0 <= clip_low < clip_high, got clip_low={clip_low}, clip_high={clip_high}")
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        raise ValueError(f"eps_clip_c (dual-clip) must be > 1, got {eps_clip_c}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+
+
+def _check_shapes(reference: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.shape != reference.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(reference.shape)} like logprobs")
+
+
+def clip_metrics(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clips: ClipMasks,
+    valid: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: bool = False,
+) -> Metrics:
+    """Clip fractions by side and advantage sign; each over the tokens of that advantage sign.
+
+    clip/low_neg and clip/high_pos (and clip/dual) are the binding clips (zero gradient);
+    clip/low_pos and clip/high_neg count tokens outside [L, H] on the side the clip does not bind
+    (they keep their gradient). pg_clipfrac is every zero-gradient token over all valid tokens.
+    """
+    neg, pos = valid & (advantages < 0), valid & (advantages > 0)
+    clipped = (clips.low | clips.high | clips.dual) & valid
+    out = {
+        "clip/low_neg": metric((clips.low & valid).sum(), neg.sum()),
+        "clip/high_pos": metric((clips.high & valid).sum(), pos.sum()),
+        "clip/low_pos": metric((pos & (ratio < clip_low)).sum(), pos.sum()),
+        "clip/high_neg": metric((neg & (ratio > clip_high)).sum(), neg.sum()),
+        "pg_clipfrac": metric(clipped.sum(), valid.sum()),
+    }
+    if dual_clip:
+        out["clip/dual"] = metric((clips.dual & valid).sum(), neg.sum())
+    return out
+
+
+def reference_clip_metrics(
+    ratio: torch.Tensor,
+    ratio_ref: torch.Tensor,
+    advantages: torch.Tensor,
+    clips: ClipMasks,
+    valid: torch.Tensor,
+    ref_low: float,
+    ref_high: float,
+) -> Metrics:
+    """Clip decisions against a high-precision (BF16) reference ratio of the same tokens.
+
+    false_clip/low_neg   P(r < L and r_ref >= ref_low | A < 0): gradient wrongly zeroed (paper 1.3)
+    missed_clip/low_neg  P(r >= L and r_ref < ref_low | A < 0): the converse
+    false_clip/share     false lower clips / all lower clips of A < 0 tokens
+    false_clip/high_pos, missed_clip/high_pos: the same on the upper side for A > 0 tokens
+    clip/low_neg_ref, clip/high_pos_ref: the reference's own clip fractions; log_ratio_ref/*.
+    """
+    ratio_ref = ratio_ref.detach().to(ratio.dtype)
+    neg, pos = valid & (advantages < 0), valid & (advantages > 0)
+    ref_low_clip, ref_high_clip = neg & (ratio_ref < ref_low), pos & (ratio_ref > ref_high)
+    low, high = clips.low & valid, clips.high & valid
+    false_low = low & ~ref_low_clip
+    out = {
+        "false_clip/low_neg": metric(false_low.sum(), neg.sum()),
+        "missed_clip/low_neg": metric((ref_low_clip & ~low).sum(), neg.sum()),
+        "false_clip/share": metric(false_low.sum(), low.sum()),
+        "false_clip/high_pos": metric((high & ~ref_high_clip).sum(), pos.sum()),
+        "missed_clip/high_pos": metric((ref_high_clip & ~high).sum(), pos.sum()),
+        "clip/low_neg_ref": metric(ref_low_clip.sum(), neg.sum()),
+        "clip/high_pos_ref": metric(ref_high_clip.sum(), pos.sum()),
+    }
+    out.update(mean_and_square("log_ratio_ref", torch.log(torch.where(valid, ratio_ref, 1.0)), valid))
+    return out
+
+
+def _penalties(
+    logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    kl_loss_type: str,
+    kl_loss_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+) -> tuple[torch.Tensor | float, Metrics]:
+    """Per-token kl_loss_coef * KL - entropy_coef * entropy; logs kl_loss / entropy when given."""
+    total: torch.Tensor | float = 0.0
+    metrics: Metrics = {}
+    if ref_logprobs is not None:
+        kl = kl_estimate(logprobs, torch.where(valid, ref_logprobs.detach().float(), 0.0), kl_loss_type)
+        metrics["kl_loss"] = masked_metric(kl, valid)
+        if kl_loss_coef != 0.0:
+            total = total + kl_loss_coef * kl
+    if entropy is not None:
+        ent = torch.where(valid, entropy.float(), 0.0)
+        metrics["entropy"] = masked_metric(ent, valid)
+        if entropy_coef != 0.0:
+            total = total - entropy_coef * ent
+    return total, metrics
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    denominator: float,
+    clip_low: float,
+    clip_high: float,
+    eps_clip_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    rollout_logprobs: torch.Tensor | None = None,
+    use_tis: bool = False,
+    tis_clip: float = 2.0,
+    tis_clip_low: float = 0.0,
+    tis_mode: str = "truncate",
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_loss_type: str = "k3",
+    kl_loss_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ratio_ref: torch.Tensor | None = None,
+    ref_clip_low: float | None = None,
+    ref_clip_high: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Policy loss of one micro-batch: this shard's additive share of the global-batch loss.
+
+    loss = [sum over tokens/sequences of w * surrogate + kl_loss_coef * KL - entropy_coef * H] / denominator
+
+    Args:
+        logprobs: [B, T] float, current policy (carries grad).
+        old_logprobs: [B, T] float, policy at theta_old (trainer recompute, or rollout); detached.
+        advantages: [B, T] float, per token (GRPO broadcasts the sequence advantage).
+        mask: [B, T] bool/0-1, response tokens.
+        denominator: global normaliser from `loss_denominator` (same agg mode, all micro-batches, DP).
+        clip_low, clip_high: ratio bounds (L, H): bounds_from_eps(eps_clip, eps_clip_high) or the
+            CalibratedClipController's bounds.
+        eps_clip_c: dual-clip c > 1 (applies to A < 0 only), None = off.
+        loss_agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
+        rollout_logprobs: [B, T] rollout-engine logprobs; enables mismatch/* metrics (over `mask`,
+            the pre-rejection mask, so IcePop rejection cannot hide mismatch) and TIS/IcePop.
+        use_tis, tis_mode, tis_clip, tis_clip_low, icepop_low, icepop_high: rollout correction,
+            see rollout_correction.importance_weights.
+        ref_logprobs, kl_loss_type, kl_loss_coef: KL penalty against the reference policy (k1/k2/k3).
+        entropy, entropy_coef: [B, T] per-token entropy (with grad) and the bonus weight.
+        ratio_ref: [B, T] high-precision (BF16 shadow) ratio of the same tokens, for false-clip
+            metrics; ref_clip_low/high are its bounds (default clip_low/high; pass 1 -/+ eps when
+            (L, H) are calibrated).
+
+    Returns:
+        (loss scalar with grad, metrics: dict of float64 [2] (numerator, denominator); reduce
+        with metrics.reduce_metrics). `loss` and `pg_loss` reduce to the global-batch loss.
+    """
+    _check_args(logprobs, denominator, clip_low, clip_high, eps_clip_c, loss_agg_mode, kl_loss_type)
+    _check_shapes(logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask, rollout_logprobs=rollout_logprobs,
+                  ref_logprobs=ref_logprobs, entropy=entropy, ratio_ref=ratio_ref)
+    for flag, needed, name in ((use_tis, rollout_logprobs, "use_tis needs rollout_logprobs"),
+                               (kl_loss_coef != 0.0, ref_logprobs, "kl_loss_coef != 0 needs ref_logprobs"),
+                               (entropy_coef != 0.0, entropy, "entropy_coef != 0 needs entropy")):
+        if flag and needed is None:
+            raise ValueError(name)
+    if use_tis:
+        check_correction_args(tis_mode, tis_clip, tis_clip_low, icepop_low, icepop_high)
+
+    valid = mask.bool()
+    raw_log_ratio = logprobs.float() - old_logprobs.detach().float()
+    logprobs = torch.where(valid, logprobs.float(), 0.0)
+    log_ratio = torch.where(valid, raw_log_ratio, 0.0)
+    adv = torch.where(valid, advantages.detach().float(), 0.0)
+    pg_tok, clips = clipped_surrogate(log_ratio, adv, clip_low, clip_high, eps_clip_c)
+
+    metrics: Metrics = {"nonfinite_logprobs": metric((valid & ~torch.isfinite(raw_log_ratio)).sum(), valid.sum())}
+    if rollout_logprobs is not None:
+        metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, valid))
+    if use_tis:
+        weights, tis_metrics = importance_weights(old_logprobs, rollout_logprobs, valid, mode=tis_mode, tis_clip=tis_clip,
+                                                  tis_clip_low=tis_clip_low, icepop_low=icepop_low, icepop_high=icepop_high)
+        pg_tok = pg_tok * weights
+        metrics.update(tis_metrics)
+    penalty_tok, penalty_metrics = _penalties(logprobs, valid, ref_logprobs, kl_loss_type, kl_loss_coef, entropy, entropy_coef)
+    metrics.update(penalty_metrics)
+
+    numerator, count = aggregate(pg_tok + penalty_tok, valid, loss_agg_mode)
+    pg_numerator, _ = aggregate(pg_tok.detach(), valid, loss_agg_mode)
+    metrics["loss"] = metric(numerator, count)
+    metrics["pg_loss"] = metric(pg_numerator, count)
+    metrics.update(_ratio_metrics(log_ratio, adv, clips, valid, clip_low, clip_high, eps_clip_c is not None))
+    if ratio_ref is not None:
+        ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        ref_low = clip_low if ref_clip_low is None else ref_clip_low
+        ref_high = clip_high if ref_clip_high is None else ref_clip_high
+        metrics.update(reference_clip_metrics(ratio, ratio_ref, adv, clips, valid, ref_low, ref_high))
+    return numerator / float(denominator), metrics
+
+
+def _ratio_metrics(
+    log_ratio: torch.Tensor, adv: torch.Tensor, clips: ClipMasks, valid: torch.Tensor, clip_low: float, clip_high: float, dual_clip: bool
+) -> Metrics:
+    """ppo_kl = mean(old - new), log_ratio mean/std, and the clip fractions."""
+    log_ratio = log_ratio.detach()
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    out = {"ppo_kl": masked_metric(-log_ratio, valid)}
+    out.update(mean_and_square("log_ratio", log_ratio, valid))
+    out.update(clip_metrics(ratio, adv, clips, valid, clip_low, clip_high, dual_clip))
+    return out
