@@ -1,0 +1,42 @@
+"""The comparison report: table reductions by hand, figures written, bad input named."""
+
+import json
+import math
+
+import pytest
+
+from megatron_rl.report import load_runs, reduce_column, summary_table, write_report
+
+
+def _records():
+    return [{"step": s, "reward/mean": float(s), "entropy": 1.0 + s,
+             "false_clip/low_neg": (0.1 if s % 2 == 0 else None)} for s in range(8)]
+
+
+def test_reductions_by_hand():
+    recs = _records()
+    assert reduce_column(recs, "reward/mean", "first") == 0.0
+    assert reduce_column(recs, "reward/mean", "last") == pytest.approx((6 + 7) / 2)  # last quarter
+    assert reduce_column(recs, "entropy", "max") == 8.0
+    assert reduce_column(recs, "false_clip/low_neg", "all") == pytest.approx(0.1)
+    assert math.isnan(reduce_column(recs, "calib/low", "all"))
+
+
+def test_report_files(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in _records()))
+    runs = load_runs([tmp_path / "a", tmp_path / "b"], ["bf16", "fp8"])
+    md = write_report(runs, tmp_path / "out", "t")
+    text = md.read_text()
+    assert "| bf16 |" in text and "| fp8 |" in text
+    for png in ("learning.png", "clipping.png", "bounds.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:4] == b"\x89PNG"
+    table = summary_table(runs).splitlines()
+    assert len(table) == 4  # header, rule, two runs
+
+
+def test_missing_run_folder_is_named(tmp_path):
+    with pytest.raises(ValueError, match="absent"):
+        load_runs([tmp_path / "absent"])
