@@ -1,0 +1,236 @@
+"""MegatronActor: a Megatron-Core GPT policy with HF weight load/export, log-probs and train steps.
+
+    par = init_parallel(tp=2, pp=1)
+    actor = MegatronActor.build(hf_dir, parallel=par, lr=1e-6)        # config + weights
+    out = actor.compute_logprobs(batch, micro_batch_size=4)          # {"logprobs", "entropy"} [B, S]
+    stats = actor.train_step(batch, loss_fn, micro_batch_size=4)     # grad_norm, lr, metrics
+    for hf_name, tensor in actor.export_hf_weights(): ...            # full tensors, this PP stage
+
+See docs/actor.md for the batch format and the loss_fn contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor import build as _build
+from megatron_rl.actor import weights
+from megatron_rl.actor.batch import split_micro_batches, validate_batch
+from megatron_rl.actor.forward import LossFn, make_forward_step, unwrap_model
+from megatron_rl.actor.parallel import ParallelInfo
+from megatron_rl.models.hf_checkpoint import HFCheckpoint
+from megatron_rl.models.hf_config import ModelSpec
+from megatron_rl.models.rope import rope_inv_freq
+
+
+class MegatronActor:
+    """One rank's share (a TP shard of one PP stage) of the policy, its optimizer and its I/O."""
+
+    def __init__(self, spec: ModelSpec, parallel: ParallelInfo, model: list[torch.nn.Module],
+                 optimizer, config, *, clip_grad: float, fp8_recipe: Any = None) -> None:
+        self.spec = spec
+        self.parallel = parallel
+        self.model = model
+        """Model chunks (one per virtual stage; one here), each a Megatron DDP wrapper."""
+        self.optimizer = optimizer
+        self.config = config
+        self.clip_grad = clip_grad
+        self.fp8_recipe = fp8_recipe
+        self.inv_freq = rope_inv_freq(spec)
+        self.layer_offset = _layer_offset(config, parallel)
+        self._params = weights.global_params(model, self.layer_offset)
+
+    @classmethod
+    def build(cls, spec_or_hf_dir: ModelSpec | str | Path, *, parallel: ParallelInfo,
+              fp8_recipe: Any = None, lr: float = 1e-5, weight_decay: float = 0.0,
+              adam_betas: tuple[float, float] = (0.9, 0.999), clip_grad: float = 1.0,
+              seed: int = 0, params_dtype: torch.dtype = torch.float32,
+              use_te: bool | None = None, load_weights: bool = True) -> "MegatronActor":
+        """Build this rank's model stage and optimizer.
+
+        Args:
+            spec_or_hf_dir: a ModelSpec (random init from `seed`), or a HF folder: its config, and
+                its safetensors weights unless load_weights=False.
+            parallel: from init_parallel().
+            clip_grad: max global grad norm (0 disables clipping; the norm is still reported).
+            use_te: force the TE / local layer spec (default: TE when it imports and CUDA is on).
+        """
+        if clip_grad < 0 or not math.isfinite(clip_grad):
+            raise ValueError(f"clip_grad={clip_grad} must be finite and >= 0")
+        is_dir = not isinstance(spec_or_hf_dir, ModelSpec)
+        spec = ModelSpec.from_hf_config(spec_or_hf_dir) if is_dir else spec_or_hf_dir
+        config = _build.build_transformer_config(spec, parallel, params_dtype)
+        model = [_build.build_model(spec, config, parallel, fp8_recipe=fp8_recipe,
+                                    use_te=use_te, seed=seed)]
+        optimizer = _build.build_optimizer(model, lr=lr, weight_decay=weight_decay,
+                                           adam_betas=adam_betas, bf16=config.bf16)
+        _wire_schedule_hooks(config, model)
+        actor = cls(spec, parallel, model, optimizer, config, clip_grad=clip_grad,
+                    fp8_recipe=fp8_recipe)
+        if is_dir and load_weights:
+            actor.load_hf(spec_or_hf_dir)
+        return actor
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_hf(self, hf_dir: str | Path) -> None:
+        """Load this rank's shards from a HF safetensors folder (single file or sharded index).
+
+        Raises ValueError naming a missing folder, a missing tensor or a wrongly shaped one.
+        """
+        ckpt = HFCheckpoint(hf_dir)
+        names = weights.needed_hf_names(self._params, self.spec)
+        missing = [n for n in names if n not in ckpt]
+        if missing:
+            raise ValueError(f"missing tensor(s) in {hf_dir}: {missing[:8]}")
+        self.load_hf_state_dict(ckpt.iter_tensors(names))
+
+    def load_hf_state_dict(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict) -> None:
+        """Load from HF-named FULL tensors (a dict or (name, tensor) pairs); others' stages ignored."""
+        if isinstance(named_tensors, dict):
+            named_tensors = named_tensors.items()
+        weights.load_hf_tensors(self._params, named_tensors, self.spec, self.parallel)
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors of this PP stage, TP shards all-gathered one parameter at a time.
+
+        Collective over the TP group: every TP rank must consume the whole iterator.
+        """
+        return weights.export_hf_tensors(self._params, self.spec, self.parallel)
+
+    # ---- forward / backward --------------------------------------------------------------
+
+    def compute_logprobs(self, batch: dict, *, micro_batch_size: int, with_entropy: bool = True,
+                         fp8: bool = True) -> dict[str, torch.Tensor]:
+        """Per-token log-probs (and entropy) [B, S] float32 without grad, on every rank.
+
+        logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t]); 0 at t = 0 and at the first token of
+        each packed sequence. fp8=False runs the BF16 shadow (quantization off).
+        """
+        validate_batch(batch, self.spec.vocab_size, micro_batch_size)
+        micro_batches = split_micro_batches(batch, micro_batch_size)
+        step = make_forward_step(self.inv_freq, self.parallel.tp_group, None, with_entropy)
+        for chunk in self.model:
+            chunk.eval()
+        with torch.no_grad(), _precision(fp8):
+            outputs = self._run_schedule(step, micro_batches, forward_only=True)
+        shape = tuple(batch["tokens"].shape)
+        result = {"logprobs": self._from_last_stage(outputs, "logprobs", shape)}
+        if with_entropy:
+            result["entropy"] = self._from_last_stage(outputs, "entropy", shape)
+        return result
+
+    def train_step(self, batch: dict, loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, Any]:
+        """Forward/backward over micro-batches (gradient accumulation), then one optimizer step.
+
+        loss_fn(logprobs [b, S], entropy [b, S], micro_batch) -> (loss, metrics): loss a scalar
+        already divided by the GLOBAL denominator (gradients are those of the plain sum of the
+        micro-batch losses, summed over DP ranks); metrics values float64 [2] (numerator, denominator).
+        Returns {"grad_norm", "lr", "loss" (sum over micro-batches), "metrics" (list per
+        micro-batch), "skipped" (non-finite grad norm: no update)} on every rank.
+        """
+        validate_batch(batch, self.spec.vocab_size, micro_batch_size)
+        micro_batches = split_micro_batches(batch, micro_batch_size)
+        step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn)
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(step, micro_batches, forward_only=False)
+        grad_norm, updated = self._optimizer_step()
+        reduced = self._objects_from_last_stage(
+            [{"loss": o["loss"], "metrics": o["metrics"]} for o in outputs])
+        return {"grad_norm": grad_norm, "lr": self.lr, "skipped": not updated,
+                "loss": float(sum(float(r["loss"]) for r in reduced)),
+                "metrics": [r["metrics"] for r in reduced]}
+
+    def _run_schedule(self, forward_step, micro_batches: list[dict], forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows, seq_len = micro_batches[0]["tokens"].shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.model,
+            num_microbatches=len(micro_batches), seq_length=seq_len, micro_batch_size=rows,
+            forward_only=forward_only)
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Megatron's step with a finite-norm check in front: a NaN/Inf gradient skips the update."""
+        from megatron.core.optimizer import optimizer as megatron_optimizer
+
+        opt = self.optimizer
+        found_inf = opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
+            opt.zero_grad()
+            return grad_norm, False
+        if self.clip_grad > 0:
+            # Module attribute looked up at call time: the CPU layer may have replaced it.
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                opt.get_parameters(), self.clip_grad, grad_norm)
+        return grad_norm, bool(opt.step_with_ready_grads())
+
+    # ---- pipeline broadcast --------------------------------------------------------------
+
+    def _from_last_stage(self, outputs: list[dict], key: str, shape: tuple[int, int]) -> torch.Tensor:
+        par = self.parallel
+        if par.is_last_stage:
+            result = torch.cat([o[key] for o in outputs], dim=0).float().contiguous()
+        else:
+            result = torch.empty(shape, dtype=torch.float32)
+        if par.pp_size > 1:
+            # PP group: the last stage holds the outputs; every stage returns them.
+            dist.broadcast(result, src=par.last_stage_rank, group=par.pp_group)
+        return result
+
+    def _objects_from_last_stage(self, objects: list) -> list:
+        par = self.parallel
+        if par.pp_size == 1:
+            return objects
+        box = [objects if par.is_last_stage else None]
+        dist.broadcast_object_list(box, src=par.last_stage_rank, group=par.pp_group)
+        return box[0]
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def lr(self) -> float:
+        return _build.get_lr(self.optimizer)
+
+    def set_lr(self, lr: float) -> None:
+        _build.set_lr(self.optimizer, lr)
+
+    def sharded_state_dict(self) -> dict:
+        """Model + optimizer sharded state dict for megatron.core.dist_checkpointing."""
+        model_sd = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+
+
+def _layer_offset(config, parallel: ParallelInfo) -> int:
+    """Global index of this stage's first layer (layers split evenly over PP stages)."""
+    return parallel.pp_rank * (config.num_layers // parallel.pp_size)
+
+
+def _wire_schedule_hooks(config, model: list[torch.nn.Module]) -> None:
+    """What Megatron's training loop sets on the config before forward_backward_func."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = None  # fp32/bf16 here: no loss scaling
+
+
+def _precision(fp8: bool):
+    """fp8=False: the BF16 shadow via megatron_rl.fp8.fp8_disabled(), a no-op until the FP8
+    package provides it (imported lazily: numerics layer, may not be present yet)."""
+    if fp8:
+        return contextlib.nullcontext()
+    import megatron_rl.fp8 as fp8_package
+
+    disabled = getattr(fp8_package, "fp8_disabled", None)
+    return disabled() if disabled is not None else contextlib.nullcontext()
