@@ -47,7 +47,10 @@ def grpo_advantages(
     adv = grouped - baseline
     if norm_by_std:
         adv = adv / (grouped.std(dim=1, unbiased=True, keepdim=True) + eps)
-    return adv.reshape(-1)
+    # Rounding in the baseline leaves ~1e-8 residues on equal rewards, which the division by
+    # (0 + eps) would blow up to ~0.01: zero such groups exactly.
+    constant = (grouped.amax(dim=1) == grouped.amin(dim=1)).unsqueeze(1)
+    return torch.where(constant, 0.0, adv).reshape(-1)
 
 
 def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -338,10 +338,11 @@ def policy_loss(
     penalty_tok, penalty_metrics = _penalties(logprobs, valid, ref_logprobs, kl_loss_type, kl_loss_coef, entropy, entropy_coef)
     metrics.update(penalty_metrics)
 
-    numerator, count = aggregate(pg_tok + penalty_tok, valid, loss_agg_mode)
-    pg_numerator, _ = aggregate(pg_tok.detach(), valid, loss_agg_mode)
-    metrics["loss"] = metric(numerator, count)
-    metrics["pg_loss"] = metric(pg_numerator, count)
+    total_tok = pg_tok + penalty_tok
+    numerator, count = aggregate(total_tok, valid, loss_agg_mode)
+    # Metric sums in float64, so they add up the same whatever the micro-batch split.
+    metrics["loss"] = metric(aggregate(total_tok.detach().double(), valid, loss_agg_mode)[0], count)
+    metrics["pg_loss"] = metric(aggregate(pg_tok.detach().double(), valid, loss_agg_mode)[0], count)
     metrics.update(_ratio_metrics(log_ratio, adv, clips, valid, clip_low, clip_high, eps_clip_c is not None))
     if ratio_ref is not None:
         ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
