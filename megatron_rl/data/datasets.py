@@ -8,8 +8,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from megatron_rl.data.loader import PromptLoader
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+__all__ = ["PromptDataset", "PromptItem", "PromptLoader"]  # PromptLoader re-exported for callers
 
 logger = logging.getLogger(__name__)
 

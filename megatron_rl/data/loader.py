@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from megatron_rl.data.datasets import PromptDataset, PromptItem
+if TYPE_CHECKING:
+    from megatron_rl.data.datasets import PromptDataset, PromptItem
 
 
 class PromptLoader:
@@ -20,7 +21,7 @@ class PromptLoader:
             items = loader.next_batch()
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, dataset: "PromptDataset", batch_size: int, seed: int, shuffle: bool = True):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if len(dataset) == 0:
@@ -40,7 +41,7 @@ class PromptLoader:
             random.Random(f"prompt-loader:{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def next_batch(self) -> list[PromptItem]:
+    def next_batch(self) -> list["PromptItem"]:
         """The next `batch_size` items (in the epoch's order, wrapping into the next epoch)."""
         batch = []
         while len(batch) < self.batch_size:
@@ -53,7 +54,7 @@ class PromptLoader:
             self.position += take
         return batch
 
-    def __iter__(self) -> Iterator[list[PromptItem]]:
+    def __iter__(self) -> Iterator[list["PromptItem"]]:
         while True:
             yield self.next_batch()
 

@@ -1,0 +1,122 @@
+"""The rollout engine protocol (design.md section 5): sampling params, samples, and the engine ABC."""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One generate() call's sampling settings (names follow SGLang's sampling_params).
+
+    temperature: 0 means greedy (argmax; log-probs then of the T=1 distribution, as SGLang).
+    top_p: nucleus mass in (0, 1]; 1 disables it.
+    max_new_tokens: response length cap; a sample that reaches it ends with finish_reason "length".
+    stop_token_ids: a sampled token in this set ends the sample (it is kept in response_ids).
+    ignore_eos: False adds the model config's eos_token_id to the stop set, as SGLang does.
+    n: samples per prompt.
+    seed: None continues the engine's own generator; an int makes the call reproducible alone.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+
+
+@dataclass
+class Sample:
+    """One response. rollout_logprobs[i] is the engine's log-prob of response_ids[i] (float32 math)."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 over f"{dtype}|{shape}|" and the raw bytes of `t` as held (FP8 bytes for FP8).
+
+    The weight-sync check mode hashes what it sends with the same recipe; the two must agree.
+    """
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class RolloutEngine(abc.ABC):
+    """What the RL loop needs from an inference engine (embedded torch, SGLang servers).
+
+    Weight update protocol (SGLang's pause / update / flush / continue, per version)::
+
+        engine.pause()                                  # no generate() until resume()
+        for bucket in buckets:                          # HF names; FP8 as weight + weight_scale_inv
+            engine.update_weights(bucket, version)      # any number of buckets, one version
+        engine.finish_update(version)                   # complete: adopt version, flush caches
+        engine.resume()
+        engine.checksum(names)                          # optional: digests of what is held
+
+    Colocated runs call release_memory() before training and resume_memory() after it; released
+    weights are discarded (as SGLang's release_memory_occupation), so a full update must follow.
+    """
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """n samples per prompt, contiguous by prompt: [p0 s0, p0 s1, ..., p1 s0, ...]."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load one bucket of HF-named tensors of weight version `version`."""
+
+    @abc.abstractmethod
+    def finish_update(self, version: int) -> None:
+        """Mark `version` complete (every bucket sent); flush caches; weight_version becomes it."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version of the weights generate() uses (0 = as loaded)."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop serving generate() (in-flight calls finish first)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Serve generate() again."""
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Free weight (and cache) memory; the weights are lost until the next full update."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> None:
+        """Re-allocate memory released by release_memory()."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Free everything; the engine is unusable afterwards."""
+
+    @abc.abstractmethod
+    def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """{HF name: tensor_digest} of the tensors held (all when names is None)."""
