@@ -1,10 +1,12 @@
 """Calibrated Clipping (paper.md 1.4): FP8 ratio bounds (L, H) that clip like the BF16 shadow does.
 
 On a calibration batch with FP8 ratios r8, BF16 shadow ratios r16 and advantages A:
-  alpha = P(r16 < 1 - eps_low | A < 0)                  same fraction lower-clipped as BF16 would
+  alpha = P(r16 < 1 - eps_low | A < 0)       same fraction lower-clipped as BF16 would
   L     = the alpha-quantile of r8 over A < 0 tokens
-  p16   = pos16 / neg16,  pos16 = sum_{A>0, r16 <= 1+eps_high} |A| r16,  neg16 = sum_{A<0, r16 >= 1-eps_low} |A| r16
-  H     = smallest H with pos8(H) = p16 * neg8(L),  pos8(H) = sum_{A>0, r8 <= H} |A| r8,  neg8(L) = sum_{A<0, r8 >= L} |A| r8
+  p16   = pos16 / neg16,   pos16 = sum_{A>0, r16 <= 1+eps_high} |A| r16,
+                           neg16 = sum_{A<0, r16 >= 1-eps_low} |A| r16
+  H     = smallest H with pos8(H) = p16 * neg8(L),
+          pos8(H) = sum_{A>0, r8 <= H} |A| r8,   neg8(L) = sum_{A<0, r8 >= L} |A| r8
 A side's mass sums |A| r over its unclipped tokens: the magnitude of d(r A)/dlogpi. When even
 H = inf leaves pos8 below the target, no H attains the balance and H = inf (no upper clip).
 
@@ -272,7 +274,12 @@ class CalibratedClipController:
 
     def state_dict(self) -> dict[str, float | int]:
         """Bounds and counters, for the RL checkpoint."""
-        return {"low": self.low, "high": self.high, "num_calibrations": self.num_calibrations, "num_skipped": self.num_skipped}
+        return {
+            "low": self.low,
+            "high": self.high,
+            "num_calibrations": self.num_calibrations,
+            "num_skipped": self.num_skipped,
+        }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         """Restore what state_dict returned; ValueError naming a missing key."""

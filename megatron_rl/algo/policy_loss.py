@@ -139,12 +139,21 @@ def loss_denominator(
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
     masks = [mask] if isinstance(mask, torch.Tensor) else list(mask)
-    local = sum((_local_count(m.bool(), loss_agg_mode).double() for m in masks), torch.zeros((), dtype=torch.float64))
-    total = (reduce or identity_reduce)(local.reshape(1))
+    local = torch.zeros(1, dtype=torch.float64)
+    for m in masks:
+        local += _local_count(m.bool(), loss_agg_mode).double()
+    total = (reduce or identity_reduce)(local)
     return max(float(total.item()), 1.0)
 
 
-def _check_args(logprobs: torch.Tensor, denominator: float, clip_low: float, clip_high: float, eps_clip_c: float | None, loss_agg_mode: str, kl_loss_type: str) -> None:
+def _check_knobs(
+    denominator: float,
+    clip_low: float,
+    clip_high: float,
+    eps_clip_c: float | None,
+    loss_agg_mode: str,
+    kl_loss_type: str,
+) -> None:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
     if kl_loss_type not in KL_TYPES:
@@ -155,14 +164,30 @@ def _check_args(logprobs: torch.Tensor, denominator: float, clip_low: float, cli
         raise ValueError(f"need 0 <= clip_low < clip_high, got clip_low={clip_low}, clip_high={clip_high}")
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"eps_clip_c (dual-clip) must be > 1, got {eps_clip_c}")
+
+
+def _check_tensors(logprobs: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-
-
-def _check_shapes(reference: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
-        if t is not None and t.shape != reference.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(reference.shape)} like logprobs")
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logprobs.shape)} like logprobs")
+
+
+def _check_needs(
+    use_tis: bool,
+    rollout_logprobs: torch.Tensor | None,
+    kl_loss_coef: float,
+    ref_logprobs: torch.Tensor | None,
+    entropy_coef: float,
+    entropy: torch.Tensor | None,
+) -> None:
+    if use_tis and rollout_logprobs is None:
+        raise ValueError("use_tis=True needs rollout_logprobs")
+    if kl_loss_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_loss_coef={kl_loss_coef} needs ref_logprobs")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs entropy")
 
 
 def clip_metrics(
@@ -309,20 +334,13 @@ def policy_loss(
         (loss scalar with grad, metrics: dict of float64 [2] (numerator, denominator); reduce
         with metrics.reduce_metrics). `loss` and `pg_loss` reduce to the global-batch loss.
     """
-    _check_args(logprobs, denominator, clip_low, clip_high, eps_clip_c, loss_agg_mode, kl_loss_type)
-    _check_shapes(logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask, rollout_logprobs=rollout_logprobs,
-                  ref_logprobs=ref_logprobs, entropy=entropy, ratio_ref=ratio_ref)
-    for flag, needed, name in ((use_tis, rollout_logprobs, "use_tis needs rollout_logprobs"),
-                               (kl_loss_coef != 0.0, ref_logprobs, "kl_loss_coef != 0 needs ref_logprobs"),
-                               (entropy_coef != 0.0, entropy, "entropy_coef != 0 needs entropy")):
-        if flag and needed is None:
-            raise ValueError(name)
-    if use_tis:
-        check_correction_args(tis_mode, tis_clip, tis_clip_low, icepop_low, icepop_high)
+    _check_knobs(denominator, clip_low, clip_high, eps_clip_c, loss_agg_mode, kl_loss_type)
+    _check_tensors(logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask, entropy=entropy,
+                   rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, ratio_ref=ratio_ref)
+    _check_needs(use_tis, rollout_logprobs, kl_loss_coef, ref_logprobs, entropy_coef, entropy)
 
     valid = mask.bool()
     raw_log_ratio = logprobs.float() - old_logprobs.detach().float()
-    logprobs = torch.where(valid, logprobs.float(), 0.0)
     log_ratio = torch.where(valid, raw_log_ratio, 0.0)
     adv = torch.where(valid, advantages.detach().float(), 0.0)
     pg_tok, clips = clipped_surrogate(log_ratio, adv, clip_low, clip_high, eps_clip_c)
@@ -331,11 +349,16 @@ def policy_loss(
     if rollout_logprobs is not None:
         metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, valid))
     if use_tis:
-        weights, tis_metrics = importance_weights(old_logprobs, rollout_logprobs, valid, mode=tis_mode, tis_clip=tis_clip,
-                                                  tis_clip_low=tis_clip_low, icepop_low=icepop_low, icepop_high=icepop_high)
+        weights, tis_metrics = importance_weights(
+            old_logprobs, rollout_logprobs, valid, mode=tis_mode, tis_clip=tis_clip, tis_clip_low=tis_clip_low,
+            icepop_low=icepop_low, icepop_high=icepop_high,
+        )
         pg_tok = pg_tok * weights
         metrics.update(tis_metrics)
-    penalty_tok, penalty_metrics = _penalties(logprobs, valid, ref_logprobs, kl_loss_type, kl_loss_coef, entropy, entropy_coef)
+    logprobs = torch.where(valid, logprobs.float(), 0.0)
+    penalty_tok, penalty_metrics = _penalties(
+        logprobs, valid, ref_logprobs, kl_loss_type, kl_loss_coef, entropy, entropy_coef
+    )
     metrics.update(penalty_metrics)
 
     total_tok = pg_tok + penalty_tok
@@ -353,7 +376,13 @@ def policy_loss(
 
 
 def _ratio_metrics(
-    log_ratio: torch.Tensor, adv: torch.Tensor, clips: ClipMasks, valid: torch.Tensor, clip_low: float, clip_high: float, dual_clip: bool
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    clips: ClipMasks,
+    valid: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: bool,
 ) -> Metrics:
     """ppo_kl = mean(old - new), log_ratio mean/std, and the clip fractions."""
     log_ratio = log_ratio.detach()

@@ -83,7 +83,9 @@ class RatioHistogram:
         """One of SCALARS, as a float."""
         return float(self.payload[3 * self.num_bins + SCALARS.index(name)])
 
-    def add(self, ratio_fp8: torch.Tensor, ratio_ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> None:
+    def add(
+        self, ratio_fp8: torch.Tensor, ratio_ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> None:
         """Accumulate one micro-batch.
 
         Args:
@@ -96,12 +98,12 @@ class RatioHistogram:
         for name, t in (("ratio_ref", ratio_ref), ("advantages", advantages), ("mask", mask)):
             if t.shape != ratio_fp8.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(ratio_fp8.shape)} like ratio_fp8")
-        r8, rr, adv = (t.detach().reshape(-1).double() for t in (ratio_fp8, ratio_ref, advantages))
+        r8, rr, adv = (t.detach().reshape(-1) for t in (ratio_fp8, ratio_ref, advantages))
         valid = mask.detach().reshape(-1).bool()
         finite = torch.isfinite(r8) & torch.isfinite(rr) & torch.isfinite(adv) & (r8 >= 0) & (rr >= 0)
         keep = valid & finite
         self._add_scalar("nonfinite", (valid & ~finite).sum())
-        self._add_tokens(r8[keep], rr[keep], adv[keep])
+        self._add_tokens(r8[keep].double(), rr[keep].double(), adv[keep].double())
 
     def _add_tokens(self, r8: torch.Tensor, rr: torch.Tensor, adv: torch.Tensor) -> None:
         low, high = 1.0 - self.eps_low, 1.0 + self.eps_high

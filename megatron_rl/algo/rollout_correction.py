@@ -10,7 +10,9 @@ from megatron_rl.algo.metrics import Metrics, masked_metric, mean_and_square
 TIS_MODES = ("truncate", "icepop")
 
 
-def check_correction_args(mode: str, tis_clip: float, tis_clip_low: float, icepop_low: float, icepop_high: float) -> None:
+def check_correction_args(
+    mode: str, tis_clip: float, tis_clip_low: float, icepop_low: float, icepop_high: float
+) -> None:
     """Raise ValueError naming the bad knob."""
     if mode not in TIS_MODES:
         raise ValueError(f"tis_mode must be one of {TIS_MODES}, got {mode!r}")
