@@ -60,7 +60,8 @@ def tensor_digest(t: torch.Tensor) -> str:
     """
     t = t.detach().contiguous().cpu()
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    # reshape(-1) first: a 0-d tensor (a tensorwise weight_scale) cannot be viewed as bytes.
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

@@ -143,9 +143,14 @@ class TorchRolloutEngine(RolloutEngine):
         """Swap quantizable nn.Linear modules for W8A8 ones; {HF module name: module}."""
         from megatron_rl.fp8 import w8a8
 
+        patterns = self.high_precision
+
+        def skip(name: str, module: nn.Module) -> bool:  # the contract's list plus routers (default_skip)
+            return w8a8.default_skip(name, module) or any(p in name for p in patterns)
+
         w8a8.quantize_model_w8a8(
-            self.model, self.weight_block_size, self.scale_format,
-            skip=self.high_precision, granularity=self.rollout_quant.removeprefix("fp8_"),
+            self.model, self.weight_block_size, self.scale_format, skip=skip,
+            mode=self.rollout_quant.removeprefix("fp8_"),
         )
         return {n: m for n, m in self.model.named_modules() if isinstance(m, w8a8.W8A8Linear)}
 
@@ -309,8 +314,8 @@ class TorchRolloutEngine(RolloutEngine):
             self._stage_fp8(module_name, leaf, tensor)
         elif module_name in self._quantized and leaf == "weight":
             module = self._quantized[module_name]
-            self._check_shape(name, tensor, module.weight_shape)
-            module.load_bf16(tensor.to(self.device))
+            self._check_shape(name, tensor, module.weight.shape)
+            module.load_bf16(tensor.to(self.device, torch.float32))
             self._mark_quantized_updated(module_name)
         elif is_fp8_part:
             raise ValueError(
@@ -350,13 +355,15 @@ class TorchRolloutEngine(RolloutEngine):
         if len(halves) < 2:
             return
         module = self._quantized[module_name]
-        self._check_shape(f"{module_name}.weight", halves["weight"], module.weight_shape)
+        scale_name = f"{module_name}.{SCALE_LEAF[self.rollout_quant]}"
+        self._check_shape(f"{module_name}.weight", halves["weight"], module.weight.shape)
+        self._check_shape(scale_name, halves["scale"], self._held[scale_name].shape)
         module.load_fp8(halves["weight"].to(self.device), halves["scale"].to(self.device))
         del self._pending_fp8[module_name]
         self._mark_quantized_updated(module_name)
 
     def _mark_quantized_updated(self, module_name: str) -> None:
-        self._updated.update(n for n in self._held if n.rpartition(".")[0] == module_name)
+        self._updated.update((f"{module_name}.weight", f"{module_name}.{SCALE_LEAF[self.rollout_quant]}"))
 
     @staticmethod
     def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:
@@ -368,8 +375,8 @@ class TorchRolloutEngine(RolloutEngine):
 
         ValueError (the update stays incomplete and generate() keeps refusing) when an FP8 weight
         arrived without its scale or vice versa, or, after release_memory(), when a held tensor
-        was not re-sent. Cache flush: KV caches live only inside one generate() call and W8A8
-        modules keep no derived copies, so no stale state survives the update.
+        was not re-sent. Cache flush: KV caches live only inside one generate() call and a W8A8
+        module drops its cached dequantized weight in load_fp8/load_bf16, so nothing stale survives.
         """
         self._require_alive()
         self._begin_version(version)
@@ -400,6 +407,8 @@ class TorchRolloutEngine(RolloutEngine):
         self._released_shapes = {name: t.shape for name, t in self._held.items()}
         for t in self._unique_held():
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        for module in self._quantized.values():
+            module._dequantized = None  # W8A8Linear's cached float32 weight: free it with the storage
         self._released = True
 
     def resume_memory(self) -> None:
