@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from megatron_rl.fp8.formats import E4M3, E5M2
-from megatron_rl.fp8.quantize import BlockSize
+from megatron_rl.fp8.quantization import BlockSize
 
 RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 FORMATS = ("hybrid", "e4m3")

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from megatron_rl.fp8.formats import E4M3
-from megatron_rl.fp8.quantize import dequantize, quantize
+from megatron_rl.fp8.quantization import dequantize, quantize
 
 MODES = ("blockwise", "tensorwise")
 SCALE_FORMATS = ("fp32", "ue8m0")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rl.fp8 import dequantize, quantize
-from megatron_rl.fp8.quantize import GRANULARITIES
+from megatron_rl.fp8.quantization import GRANULARITIES
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -242,3 +242,25 @@ def test_leading_dims_equal_flattened(shape, granularity):
     q2, s2 = quantize(x.reshape(-1, shape[-1]), granularity)
     assert torch.equal(q.reshape(-1, shape[-1]).float(), q2.float())
     assert torch.equal(s.float().reshape(s2.shape), s2.float())
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_chunked_quantization_equals_one_piece(granularity, monkeypatch):
+    import megatron_rl.fp8.quantization as qmod
+
+    torch.manual_seed(3)
+    x = (torch.randn(3, 300, 200) * torch.logspace(-2, 2, 200)).to(torch.bfloat16)
+    block = (64, 64) if granularity == "block128x128" else None
+    q_one, s_one = quantize(x, granularity, block_size=block)
+    monkeypatch.setattr(qmod, "CHUNK_ELEMENTS", 1000)  # 5 rows or one 64-row tile strip
+    q_chunked, s_chunked = quantize(x, granularity, block_size=block)
+    assert torch.equal(q_one.float(), q_chunked.float()) and q_chunked.shape == x.shape
+    assert torch.equal(s_one.float(), s_chunked.float()) and s_chunked.shape == s_one.shape
+
+
+def test_degenerate_shapes():
+    for g in GRANULARITIES:
+        for shape in [(3, 0), (0, 5), (2, 0, 4)]:
+            q, s = quantize(torch.zeros(shape), g)
+            assert q.shape == shape
+            assert dequantize(q, s, g).shape == shape
