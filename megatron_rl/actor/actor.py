@@ -226,11 +226,9 @@ def _wire_schedule_hooks(config, model: list[torch.nn.Module]) -> None:
 
 
 def _precision(fp8: bool):
-    """fp8=False: the BF16 shadow via megatron_rl.fp8.fp8_disabled(), a no-op until the FP8
-    package provides it (imported lazily: numerics layer, may not be present yet)."""
+    """fp8=False: the BF16 shadow (every FP8 layer runs unquantized; megatron_rl.fp8.switch)."""
     if fp8:
         return contextlib.nullcontext()
-    import megatron_rl.fp8 as fp8_package
+    from megatron_rl.fp8 import fp8_disabled
 
-    disabled = getattr(fp8_package, "fp8_disabled", None)
-    return disabled() if disabled is not None else contextlib.nullcontext()
+    return fp8_disabled()

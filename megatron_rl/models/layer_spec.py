@@ -25,7 +25,7 @@ def build_layer_spec(spec: ModelSpec, *, fp8_recipe: Any = None, use_te: bool | 
 
     Args:
         spec: the model.
-        fp8_recipe: the FP8 recipe object (megatron_rl.fp8). On the local spec an enabled recipe
+        fp8_recipe: a megatron_rl.fp8.Fp8Recipe. On the local spec an enabled recipe
             swaps in the emulated FP8 linears (megatron_rl.models.fp8_layers); with TE the recipe
             is applied by TE itself through the TransformerConfig, not here.
         use_te: force the TE (True) or local (False) spec; None picks TE when `te_available()`.
@@ -41,18 +41,8 @@ def build_layer_spec(spec: ModelSpec, *, fp8_recipe: Any = None, use_te: bool | 
 
     # Local spec: norms stay separate RMSNorm modules (input_layernorm, pre_mlp_layernorm).
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    if fp8_recipe is not None and fp8_enabled(fp8_recipe):
+    if fp8_recipe is not None and fp8_recipe.enabled:
         from megatron_rl.models.fp8_layers import apply_fp8_to_layer_spec
 
         layer_spec = apply_fp8_to_layer_spec(layer_spec, fp8_recipe)
     return layer_spec
-
-
-def fp8_enabled(fp8_recipe: Any) -> bool:
-    """A recipe is enabled unless it is the "bf16" recipe (by name or an `enabled=False` flag)."""
-    if isinstance(fp8_recipe, str):
-        return fp8_recipe != "bf16"
-    enabled = getattr(fp8_recipe, "enabled", None)
-    if enabled is not None:
-        return bool(enabled)
-    return getattr(fp8_recipe, "name", getattr(fp8_recipe, "train_recipe", "")) != "bf16"
