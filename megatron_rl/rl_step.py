@@ -108,9 +108,8 @@ def _broadcast_from_engine_rank(samples, parallel):
     if parallel.tp_size * parallel.pp_size == 1:
         return samples
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    group = parallel_state.get_model_parallel_group()
+    group = parallel.mp_group  # TP x PP ranks of this data-parallel replica
     payload = [samples]
     dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
     return payload[0]
