@@ -210,6 +210,23 @@ class MegatronActor:
         model_sd = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
         return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
 
+    def save_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Megatron distributed checkpoint of model + optimizer into an existing empty folder
+        (collective over all ranks; the caller makes it atomic by writing then renaming)."""
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self.sharded_state_dict(), str(ckpt_dir))
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Restore model + optimizer from `save_checkpoint` (any TP/PP layout Megatron can reshard)."""
+        from megatron.core import dist_checkpointing
+
+        if not Path(ckpt_dir).is_dir():
+            raise ValueError(f"checkpoint folder not found: {ckpt_dir}")
+        state = dist_checkpointing.load(self.sharded_state_dict(), str(ckpt_dir))
+        unwrap_model(self.model[0]).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
 
 def _layer_offset(config, parallel: ParallelInfo) -> int:
     """Global index of this stage's first layer (layers split evenly over PP stages)."""
