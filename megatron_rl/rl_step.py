@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from megatron_rl.rl_batch import Batch, collate, mini_batches
+
+log = logging.getLogger("megatron_rl.rl_step")
 
 
 @dataclass
@@ -45,13 +48,18 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float]]:
     answers = [prompts[i // n].answer for i in range(len(samples))]
     rewards, stats = run.rewards.score(texts, answers)
     rewards = torch.tensor(rewards, dtype=torch.float32)
+    nonfinite = ~torch.isfinite(rewards)
+    if nonfinite.any():  # a reward function bug: scored 0 and counted, like an exception
+        log.warning("reward function returned %d non-finite values: scored 0.0", int(nonfinite.sum()))
+        rewards = torch.where(nonfinite, torch.zeros_like(rewards), rewards)
     a = run.cfg.algo
     if a.overlong_buffer_len > 0:
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rewards = rewards + overlong_penalty(lengths, run.cfg.rollout.max_new_tokens,
                                              a.overlong_buffer_len, a.overlong_penalty_factor)
     return rewards, {"reward/errors": float(stats["num_errors"]),
-                     "reward/timeouts": float(stats["num_timeouts"])}
+                     "reward/timeouts": float(stats["num_timeouts"]),
+                     "reward/nonfinite": float(nonfinite.sum())}
 
 
 def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
@@ -127,9 +135,15 @@ def _reduced_means(run, named: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: float(s / max(c, 1.0)) for k, (s, c) in zip(named, stacked.tolist())}
 
 
-def prepare(run, batch: Batch, step: int, metrics: dict[str, float]) -> Batch:
+def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> Batch | None:
     """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's) and, on calibration
-    steps, the BF16 shadow old log-probs at the same weights."""
+    steps, the BF16 shadow old log-probs at the same weights.
+
+    Returns None (the step is skipped: no update, no sync) when there is nothing to train on or
+    when any old log-prob on a response token is NaN/Inf: never a silent wrong update.
+    """
+    if batch is None:
+        return None
     t0 = time.perf_counter()
     mbs = run.cfg.train.micro_batch_size
     if run.cfg.algo.use_rollout_logprobs:
@@ -140,7 +154,19 @@ def prepare(run, batch: Batch, step: int, metrics: dict[str, float]) -> Batch:
         batch["old_logprobs_ref"] = run.actor.compute_logprobs(
             batch, micro_batch_size=mbs, with_entropy=False, fp8=False)["logprobs"]
     metrics["time/old_logprobs"] = time.perf_counter() - t0
+    bad = _count_nonfinite(run, batch)
+    metrics["guard/nonfinite_logprobs"] = bad
+    if bad:
+        log.warning("step %d: %d non-finite old log-probs on response tokens: step skipped", step, int(bad))
+        metrics["step/skipped"] = 1.0
+        return None
     return batch
+
+
+def _count_nonfinite(run, batch: Batch) -> float:
+    on = batch["loss_mask"] > 0
+    bad = sum((~torch.isfinite(batch[k]) & on).sum() for k in ("old_logprobs", "old_logprobs_ref") if k in batch)
+    return _reduce_sum(run, float(bad))
 
 
 def _shadow_step(run, step: int) -> bool:
@@ -202,7 +228,7 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
     cfg, reduce = run.cfg, run.parallel.dp_reducer()
     gen = torch.Generator().manual_seed(_step_seed(cfg.train.seed, step, 7))
     loss_metrics, out = [], {}
-    grad_norms = []
+    grad_norms, skipped_updates = [], 0
     for epoch in range(cfg.train.ppo_epochs):
         parts = mini_batches(batch, cfg.train.num_mini_batches, gen)
         for i, mb in enumerate(parts):
@@ -213,8 +239,10 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
                                           micro_batch_size=cfg.train.micro_batch_size)
             loss_metrics.extend(result["metrics"])
             grad_norms.append(result["grad_norm"])
+            skipped_updates += int(result["skipped"])
     out.update(reduce_metrics(loss_metrics, reduce=reduce))
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["guard/skipped_updates"] = float(skipped_updates)  # non-finite gradients: no update
     out["calib/low"], out["calib/high"] = _bounds(run)
     out["time/train"] = time.perf_counter() - t0
     return out

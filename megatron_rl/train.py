@@ -29,8 +29,8 @@ def run(cfg: RunConfig) -> dict[str, float]:
         prompts = run_.loader.next_batch()
         rollout = rl_step.generate(run_, prompts, step)
         metrics = dict(rollout.metrics)
-        if rollout.batch is not None:
-            batch = rl_step.prepare(run_, rollout.batch, step, metrics)
+        batch = rl_step.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
+        if batch is not None:
             metrics.update(rl_step.update_policy(run_, batch, step))
             metrics.update(run_.sync.sync())
         metrics["time/step"] = time.perf_counter() - t0

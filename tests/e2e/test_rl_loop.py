@@ -1,0 +1,163 @@
+"""The tiny RL pipeline end to end on CPU: GRPO and DAPO with FP8 + Calibrated Clipping, resume,
+bad input, a raising reward function and the NaN guard."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.config import load_config
+from megatron_rl.rewards import register_reward_fn
+from megatron_rl.telemetry import read_jsonl
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tiny"
+
+TINY = [
+    "model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "train.sft_steps=30",
+    "train.sft_batch_size=16", "data.prompts_per_step=4", "data.num_examples=64",
+    "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "train.micro_batch_size=8",
+    "train.num_mini_batches=2", "log.progress=false", "log.tensorboard=false", "log.plot=false",
+    "calib.period=2", "sync.check=true", "checkpoint.save_final=false",
+]
+
+
+def run_tiny(tmp_path: Path, config: str, *overrides: str) -> list[dict]:
+    """Run megatron_rl.train in this process and return its JSONL records."""
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl.train import run
+
+    cfg = load_config(EXAMPLES / config, [*TINY, f"log.dir={tmp_path / 'run'}", *overrides])
+    try:
+        run(cfg)
+    finally:
+        destroy_parallel()
+    return read_jsonl(tmp_path / "run" / "metrics.jsonl")
+
+
+def _finite(records: list[dict], keys: tuple[str, ...]) -> None:
+    for r in records:
+        for key in keys:
+            assert r.get(key) is not None and math.isfinite(r[key]), (r["step"], key, r.get(key))
+
+
+def _initial_weights(tmp_path: Path) -> dict[str, torch.Tensor]:
+    (folder,) = [p for p in (tmp_path / ".tiny_models").iterdir() if p.is_dir()]
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("config", ["fp8_calibrated.yaml", "dapo_fp8_calibrated.yaml"])
+def test_fp8_calibrated_run(tmp_path, config):
+    records = run_tiny(tmp_path, config, "train.num_steps=3", "checkpoint.save_final=true")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    trained = [r for r in records if not r["step/skipped"]]
+    assert trained, "every step was skipped"
+    _finite(trained, ("reward/mean", "entropy", "pg_loss", "grad_norm", "clip/low_neg",
+                      "mismatch/token_mult_prob_error", "calib/low", "calib/high"))
+    # the engine advanced one version per trained step (version 1 = the start-up sync)
+    assert trained[-1]["sync/version"] == 1 + len(trained)
+    assert all(r["sync/check_mismatches"] == 0 for r in trained)
+    # calibration ran on step 0 (period 2) with the BF16 shadow
+    assert records[0]["calib/num_calibrations"] + records[0]["calib/num_skipped"] == 1
+    assert records[0]["shadow/log_ratio_fp8_std"] >= 0
+    # FP8 rollout vs FP8 trainer: a real, small mismatch
+    assert 1.0 < trained[0]["mismatch/token_mult_prob_error"] < 1.5
+    # weights changed: the final checkpoint differs from the warm-started model
+    from megatron.core import dist_checkpointing  # noqa: F401  (checkpoint written with it)
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "3"
+
+
+def test_weights_change_and_engine_tracks_trainer(tmp_path):
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl import build, rl_step
+
+    cfg = load_config(EXAMPLES / "fp8_calibrated.yaml",
+                      [*TINY, f"log.dir={tmp_path / 'run'}", "precision.rollout_quant=bf16"])
+    run_ = build.build_run(cfg)
+    try:
+        run_.sync.sync()
+        before = dict(run_.actor.export_hf_weights())
+        rollout = rl_step.generate(run_, run_.loader.next_batch(), 0)
+        batch = rl_step.prepare(run_, rollout.batch, 0, {})
+        rl_step.update_policy(run_, batch, 0)
+        run_.sync.sync()
+        after = dict(run_.actor.export_hf_weights())
+        changed = [n for n in before if not torch.equal(before[n], after[n])]
+        assert len(changed) > len(before) // 2
+        # with rollout quantization off, engine and trainer agree on the same tokens to 1e-4
+        # (the trainer recomputes with FP8 off as well: the shadow pass)
+        fresh = rl_step.generate(run_, run_.loader.next_batch(), 1).batch
+        trainer = run_.actor.compute_logprobs(fresh, micro_batch_size=8, with_entropy=False, fp8=False)
+        diff = (trainer["logprobs"] - fresh["rollout_logprobs"]).abs() * fresh["loss_mask"]
+        assert float(diff.max()) <= 1e-4
+    finally:
+        run_.finish()
+        destroy_parallel()
+
+
+def test_resume_gives_the_same_later_steps(tmp_path):
+    full = run_tiny(tmp_path / "a", "fp8_calibrated.yaml", "train.num_steps=4")
+    # a run stopped after step 2 (its checkpoint is the only state that survives), then resumed
+    run_tiny(tmp_path / "b", "fp8_calibrated.yaml", "train.num_steps=2", "checkpoint.save_every=2")
+    (tmp_path / "b" / "run" / "checkpoints" / "step_000004.tmp").mkdir()  # a half-written save
+    resumed = run_tiny(tmp_path / "b", "fp8_calibrated.yaml", "train.num_steps=4", "checkpoint.resume=true")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    for key in ("reward/mean", "pg_loss", "grad_norm", "entropy", "calib/low", "calib/high",
+                "clip/low_neg", "mismatch/abs_logprob_diff"):
+        assert [r.get(key) for r in resumed[2:]] == [r.get(key) for r in full[2:]], key
+
+
+def _odd_raises(response: str, answer: str) -> float:
+    if len(response) % 2:
+        raise RuntimeError("reward function failure on purpose")
+    return float(response == answer)
+
+
+def test_bad_rows_and_raising_reward_are_counted(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"sort:{d}=", "answer": "".join(sorted(d))} for d in ("312", "9071", "55")]
+    lines = [json.dumps(r) for r in rows] + ['{"prompt": 3}', "not json", json.dumps({"answer": "1"})]
+    data.write_text("\n".join(lines * 2) + "\n")
+    register_reward_fn("test_odd_raises", _odd_raises)
+    records = run_tiny(tmp_path, "fp8_calibrated.yaml", "train.num_steps=2", f"data.path={data}",
+                       "reward.name=test_odd_raises", "data.prompts_per_step=2")
+    assert sum(r["reward/errors"] for r in records) > 0
+    _finite(records, ("reward/mean",))
+
+
+def _nan_reward(response: str, answer: str) -> float:
+    return float("nan")
+
+
+def test_nan_reward_is_scored_zero_and_counted(tmp_path):
+    register_reward_fn("test_nan", _nan_reward)
+    (r,) = run_tiny(tmp_path, "fp8_calibrated.yaml", "train.num_steps=1", "reward.name=test_nan")
+    assert r["reward/nonfinite"] == 16 and r["reward/mean"] == 0.0
+
+
+def test_nan_guard_skips_the_update(tmp_path):
+    """A NaN in the trainer's weights gives NaN log-probs: the step is skipped, nothing changes."""
+    from megatron_rl import build, rl_step
+    from megatron_rl.actor.parallel import destroy_parallel
+
+    cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*TINY, f"log.dir={tmp_path / 'run'}"])
+    run_ = build.build_run(cfg)
+    try:
+        run_.sync.sync()
+        param = next(p for n, p in run_.actor.model[0].named_parameters() if "linear_fc2" in n)
+        with torch.no_grad():
+            param[0, 0] = float("nan")
+        before = {n: p.detach().clone() for n, p in run_.actor.model[0].named_parameters()}
+        metrics = {}
+        rollout = rl_step.generate(run_, run_.loader.next_batch(), 0)
+        assert rl_step.prepare(run_, rollout.batch, 0, metrics) is None
+        assert metrics["step/skipped"] == 1.0 and metrics["guard/nonfinite_logprobs"] > 0
+        after = dict(run_.actor.model[0].named_parameters())
+        assert all(torch.equal(before[n], after[n], ) or torch.isnan(before[n]).any() for n in before)
+    finally:
+        run_.finish()
+        destroy_parallel()
