@@ -1,0 +1,1 @@
+"""Checkpoint conversion: HF safetensors <-> Megatron-Core torch_dist, and HF -> HF FP8 (docs/convert.md)."""
