@@ -6,9 +6,10 @@ Prompts are short character strings for the character tokenizer (`char_tokenizer
     rev:31415=    -> 51413      (reverse the digits)
     add:47+38=    -> 85         (sum of two n-digit numbers, no leading zeros)
 
-A ~1M-parameter model gets a useful fraction of these exactly right after a short SFT warm start,
-so GRPO groups have reward variance from the first step. `exact_match` is each task's reward;
-`position_match` (fraction of correct characters) is the partial-credit option.
+After ~100 SFT steps a 0.4M-parameter model gets about half of sort / reverse exactly right
+(docs/data.md has the measurements), so GRPO groups have reward variance from the first step;
+add is the harder task. `exact_match` is each task's reward; `position_match` (fraction of
+correct characters) is the partial-credit option.
 """
 
 from __future__ import annotations
