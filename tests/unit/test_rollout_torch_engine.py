@@ -237,3 +237,13 @@ def test_bad_arguments(model):
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         run(engine)
+
+
+def test_max_batch_size_chunks_rows(model):
+    samples = run(TorchRolloutEngine(model, max_batch_size=4), n=3, temperature=0.8)
+    assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for s in samples:
+        expected, _ = reference_logprobs(model, s.prompt_ids, s.response_ids, 0.8)
+        torch.testing.assert_close(torch.tensor(s.rollout_logprobs), expected, atol=1e-5, rtol=0)
+    again = run(TorchRolloutEngine(model, max_batch_size=4), n=3, temperature=0.8)
+    assert again == samples
