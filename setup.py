@@ -6,7 +6,7 @@ CORE = [
     # CPU-installable core. torch is pinned by the Makefile on CPU machines (see README).
     "torch>=2.6",
     "megatron-core>=0.16.1",
-    "transformers>=4.56",
+    "transformers>=5.0",
     "safetensors>=0.4",
     "tensorboard>=2.15",
     "pyyaml>=6.0",

@@ -14,20 +14,10 @@ and disk transports implement the same four calls.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Protocol
 
-import torch
-
+from megatron_rl.rollout.base import tensor_digest  # noqa: F401  (re-exported: one recipe for both sides)
 from megatron_rl.sync.buckets import NamedTensor
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 over dtype, shape and raw bytes of `t` as held (FP8 bytes for an FP8 tensor)."""
-    t = t.detach().contiguous().cpu()
-    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 class WeightTransport(Protocol):

@@ -49,3 +49,8 @@ def test_digest_sees_bytes_dtype_and_shape():
     assert tensor_digest(a) != tensor_digest(b)
     assert tensor_digest(a) != tensor_digest(a.view(2, 3))
     assert tensor_digest(a.to(torch.float8_e4m3fn)) != tensor_digest(a.to(torch.float8_e5m2))
+
+
+def test_digest_of_a_scalar_scale():
+    scale = torch.tensor(0.5, dtype=torch.float32)  # fp8_tensorwise ships a 0-d weight_scale
+    assert tensor_digest(scale) != tensor_digest(torch.tensor(0.25))
