@@ -1,0 +1,37 @@
+"""The one seam to the sglang package: everything that needs it imports it here, lazily."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+SERVER_MODULE = "sglang.launch_server"
+ROUTER_MODULE = "sglang_router.launch_router"
+
+
+def require_module(name: str, install_hint: str) -> None:
+    """Raise a clear error at build time when `name` (sglang, sglang_router) is not installed."""
+    if importlib.util.find_spec(name.split(".")[0]) is None:
+        raise RuntimeError(f"rollout.engine=sglang needs the {name.split('.')[0]!r} package on this "
+                           f"machine: {install_hint}")
+
+
+def server_argv(args: list[str]) -> list[str]:
+    require_module(SERVER_MODULE, "pip install 'sglang>=0.5.5' on the GPU nodes")
+    return [sys.executable, "-m", SERVER_MODULE, *args]
+
+
+def router_argv(args: list[str]) -> list[str]:
+    require_module(ROUTER_MODULE, "pip install sglang-router")
+    return [sys.executable, "-m", ROUTER_MODULE, *args]
+
+
+def patch_cuda_ipc_reductions() -> None:
+    """Make CUDA tensors pickle the way SGLang's unpickler rebuilds them (device mapped by UUID).
+
+    Needed before serializing CUDA tensors for update_weights_from_tensor; SGLang's SafeUnpickler
+    only accepts its own CUDA rebuild function. Idempotent (sglang guards it).
+    """
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()

@@ -1,0 +1,106 @@
+"""Settings of the SGLang rollout engine (to be nested as `rollout.sglang` in the run config)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+MODES = ("colocated", "disaggregated")
+WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bfloat16")
+PAUSE_MODES = ("abort", "retract", "in_place")
+_ANY_INTERFACE = ("0.0.0.0", "::", "")
+
+
+@dataclass
+class SGLangConfig:
+    """How the SGLang servers are launched, reached and updated (design.md section 5)."""
+
+    mode: str = "colocated"
+    """colocated (same GPUs as the trainer; memory released while training; weights by CUDA IPC) |
+    disaggregated (own nodes; weights by NCCL broadcast or disk)."""
+    server_urls: list[str] = field(default_factory=list)
+    """Servers started elsewhere (slurm/); empty = this process launches `num_servers` locally."""
+    router_url: str = ""
+    """sglang-router in front of the servers: generate() goes through it, admin calls go to each server."""
+    launch_router: bool = False
+    """Launch sglang-router locally in front of the launched servers (port `router_port`)."""
+    router_port: int = 30999
+    host: str = "127.0.0.1"
+    """Interface the launched servers bind to: loopback, or the cluster interface's address.
+    Never 0.0.0.0: the weight-update endpoints would be reachable from every network."""
+    base_port: int = 30000
+    """Server i listens on base_port + i."""
+    num_servers: int = 1
+    """Servers launched by this process, one per TP group (GPUs i*tp_size .. (i+1)*tp_size-1)."""
+    tp_size: int = 1
+    quantization: str = ""
+    """"" = as the checkpoint says (an FP8 checkpoint carries quantization_config) | "fp8" = online
+    W8A8 blockwise quantization of a BF16 checkpoint at load time."""
+    kv_cache_dtype: str = "auto"
+    """fp8_e4m3: FP8 KV cache; every weight update must then carry fresh k_scale / v_scale tensors."""
+    mem_fraction_static: float = 0.7
+    """Fraction of GPU memory for weights + KV cache (lower when colocated with the trainer)."""
+    api_key_env: str = "MEGATRON_RL_SGLANG_API_KEY"
+    """Environment variable holding the API key (sent as `Authorization: Bearer`); never in YAML."""
+    weight_transport: str = "tensor"
+    """tensor (colocated, update_weights_from_tensor) | nccl (update_weights_from_distributed) | disk."""
+    disk_dir: str = ""
+    """Shared folder of versioned safetensors snapshots (disk transport)."""
+    nccl_master_addr: str = "127.0.0.1"
+    """Address of the trainer's weight-broadcast rank as the servers reach it (nccl transport)."""
+    nccl_master_port: int = 29650
+    max_batch_per_request: int = 64
+    """Rows (prompt x sample) per /generate request."""
+    requests_per_server: int = 4
+    """Concurrent /generate requests per server."""
+    request_timeout_s: float = 3600.0
+    startup_timeout_s: float = 900.0
+    max_retries: int = 3
+    """Attempts per request after the first, on other servers, when a server dies or aborts it."""
+    pause_mode: str = "abort"
+    """pause_generation mode: abort (in-flight requests end and are retried after the update, so no
+    sample mixes two weight versions) | retract | in_place."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra `sglang.launch_server` arguments, e.g. ["--context-length", "20480"]."""
+
+    def api_key(self) -> str:
+        key = os.environ.get(self.api_key_env, "")
+        if not key:
+            raise ValueError(f"rollout.sglang.api_key_env: environment variable {self.api_key_env!r} is "
+                             "empty; the SGLang servers require an API key")
+        return key
+
+
+def validate_sglang(cfg: SGLangConfig) -> SGLangConfig:
+    """Raise one ValueError naming the bad key; return cfg unchanged otherwise."""
+    _choice("mode", cfg.mode, MODES)
+    _choice("weight_transport", cfg.weight_transport, WEIGHT_TRANSPORTS)
+    _choice("kv_cache_dtype", cfg.kv_cache_dtype, KV_CACHE_DTYPES)
+    _choice("pause_mode", cfg.pause_mode, PAUSE_MODES)
+    if cfg.quantization not in ("", "fp8"):
+        raise ValueError(f"rollout.sglang.quantization: {cfg.quantization!r} is not one of ['', 'fp8']")
+    if cfg.host in _ANY_INTERFACE:
+        raise ValueError(f"rollout.sglang.host: {cfg.host!r} binds every interface; use 127.0.0.1 or "
+                         "the cluster interface's address")
+    for key in ("num_servers", "tp_size", "max_batch_per_request", "requests_per_server", "base_port"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"rollout.sglang.{key}: must be >= 1, got {getattr(cfg, key)}")
+    if cfg.max_retries < 0:
+        raise ValueError(f"rollout.sglang.max_retries: must be >= 0, got {cfg.max_retries}")
+    if not 0.0 < cfg.mem_fraction_static < 1.0:
+        raise ValueError(f"rollout.sglang.mem_fraction_static: must be in (0, 1), got {cfg.mem_fraction_static}")
+    if cfg.mode == "colocated" and cfg.weight_transport == "nccl":
+        raise ValueError("rollout.sglang.weight_transport: 'nccl' broadcasts to servers on other GPUs; "
+                         "colocated servers take 'tensor' (CUDA IPC) or 'disk'")
+    if cfg.mode == "disaggregated" and cfg.weight_transport == "tensor":
+        raise ValueError("rollout.sglang.weight_transport: 'tensor' shares CUDA memory and needs colocated "
+                         "servers; disaggregated servers take 'nccl' or 'disk'")
+    if cfg.weight_transport == "disk" and not cfg.disk_dir:
+        raise ValueError("rollout.sglang.disk_dir: the disk transport needs a folder all servers can read")
+    return cfg
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"rollout.sglang.{key}: {value!r} is not one of {list(choices)}")

@@ -1,0 +1,309 @@
+"""The production rollout engine: SGLang servers (FP8 W8A8, FP8 KV cache) behind the engine protocol.
+
+Usage (colocated; transports in megatron_rl.sync drive the weight updates)::
+
+    engine = SGLangEngine(SGLangConfig(), model_path="/ckpt/qwen3-8b-fp8")   # launches, waits healthy
+    samples = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16384, n=8))
+    engine.release_memory()          # colocated: free weights + KV cache while the trainer trains
+    engine.resume_memory()
+    sync.sync()                      # pause -> flush -> buckets -> continue, engine at version v+1
+
+Fault handling: a /generate request that fails because its server died (or aborted it) is retried
+on another server holding the current weights; a dead server this process launched is restarted
+with the same command line. A restarted server holds the checkpoint's weights, so it gets no
+requests until the next weight update reaches it (every update is a full one). Every response's
+`weight_version` is checked: a sample is never taken from stale weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from megatron_rl.rollout import _sglang
+from megatron_rl.rollout.base import RolloutEngine, Sample, SamplingParams
+from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError, ServerUnavailable
+from megatron_rl.rollout.sglang_config import SGLangConfig, validate_sglang
+from megatron_rl.rollout.sglang_server import (ManagedProcess, Server, build_servers, launch_env,
+                                               router_args, wait_healthy)
+
+log = logging.getLogger("megatron_rl.rollout.sglang")
+KV_SCALE_LEAVES = ("k_scale", "v_scale")
+
+
+class RolloutUnavailableError(RuntimeError):
+    """No server with the current weights can serve: re-sync the weights and retry the step."""
+
+
+class _Retryable(RuntimeError):
+    pass
+
+
+class SGLangEngine(RolloutEngine):
+    """SGLang servers as one RolloutEngine (see the module docstring).
+
+    Args:
+        cfg: SGLangConfig (validated here).
+        model_path: HF checkpoint the servers load (FP8 checkpoint, or BF16 with quantization="fp8").
+        seed: server random seed; per-row sampling seeds derive from SamplingParams.seed.
+        log_dir: where launched servers write their logs.
+        argv_fn: (port, base_gpu_id) -> argv replacing `python -m sglang.launch_server ...`.
+        start: launch and wait for the servers now.
+    """
+
+    def __init__(self, cfg: SGLangConfig, model_path: str | Path, *, seed: int = 0,
+                 log_dir: Path | None = None, argv_fn=None, start: bool = True):
+        self.cfg = validate_sglang(cfg)
+        self.servers = build_servers(cfg, str(model_path), cfg.api_key(), seed, log_dir, argv_fn)
+        self.router: SGLangClient | None = None
+        self._router_proc: ManagedProcess | None = None
+        self._log_dir = log_dir
+        self._version = 0
+        self._pending: int | None = None
+        self._kv_scales_sent: set[str] = set()
+        self._lock = threading.Lock()
+        self._restart_locks = {id(s): threading.Lock() for s in self.servers}
+        self.stats = {"retries": 0, "restarts": 0, "requests": 0}
+        if start:
+            self.start()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        for s in self.servers:
+            if s.process is not None:
+                s.process.start()
+        wait_healthy(self.servers, self.cfg.startup_timeout_s)
+        if self.cfg.router_url:
+            self.router = SGLangClient(self.cfg.router_url, self.cfg.api_key(), self.cfg.request_timeout_s)
+        elif self.cfg.launch_router:
+            self._start_router()
+
+    def _start_router(self) -> None:
+        argv = _sglang.router_argv(router_args(self.cfg, [s.url for s in self.servers]))
+        log_path = self._log_dir / "sglang_router.log" if self._log_dir else None
+        self._router_proc = ManagedProcess(argv, launch_env(), log_path)
+        self._router_proc.start()
+        self.router = SGLangClient(f"http://{self.cfg.host}:{self.cfg.router_port}", self.cfg.api_key(),
+                                   self.cfg.request_timeout_s)
+        wait_healthy([Server(self.router, process=self._router_proc)], self.cfg.startup_timeout_s)
+
+    def shutdown(self) -> None:
+        for proc in [s.process for s in self.servers] + [self._router_proc]:
+            if proc is not None:
+                proc.stop()
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """n samples per prompt, contiguous by prompt, each with the engine's per-token log-probs."""
+        if self._pending is not None:
+            raise RuntimeError(f"generate() during the update to version {self._pending}")
+        rows = [(i, list(p), r) for i, p in enumerate(prompts) for r in range(sampling.n)]
+        size = self.cfg.max_batch_per_request
+        chunks = [rows[k:k + size] for k in range(0, len(rows), size)]
+        workers = max(1, len(self.servers) * self.cfg.requests_per_server)
+        with ThreadPoolExecutor(max_workers=min(workers, max(1, len(chunks)))) as pool:
+            results = list(pool.map(lambda c: self._run_chunk(c, sampling), chunks))
+        return [s for chunk in results for s in chunk]
+
+    def _run_chunk(self, rows, sampling: SamplingParams) -> list[Sample]:
+        body = _generate_body(rows, sampling)
+        for attempt in range(self.cfg.max_retries + 1):
+            server = self._pick_server()
+            client = self.router or server.client
+            try:
+                out = client.post("/generate", body)
+                return [self._to_sample(row, item) for row, item in zip(rows, _as_list(out, len(rows)))]
+            except (ServerUnavailable, _Retryable, SGLangHTTPError) as err:
+                if isinstance(err, SGLangHTTPError) and err.status < 500:
+                    raise  # a bad request or a refused key is not fixed by another server
+                with self._lock:
+                    self.stats["retries"] += 1
+                log.warning("generate on %s failed (attempt %d): %s", client.url, attempt + 1, err)
+            finally:
+                with self._lock:
+                    server.in_flight -= 1
+            self._check_server(server)
+        raise RolloutUnavailableError(f"a /generate request failed {self.cfg.max_retries + 1} times (stale or "
+                                      "dead servers); re-sync the weights and retry the step")
+
+    def _pick_server(self) -> Server:
+        with self._lock:
+            current = [s for s in self.servers if s.version == self._version]
+            if not current:
+                raise RolloutUnavailableError(
+                    f"no SGLang server holds weight version {self._version} (restarted servers hold the "
+                    "checkpoint until the next weight update); re-sync the weights and retry the step")
+            server = min(current, key=lambda s: s.in_flight)
+            server.in_flight += 1
+            self.stats["requests"] += 1
+            return server
+
+    def _to_sample(self, row, item: dict) -> Sample:
+        index, prompt, _ = row
+        meta = item["meta_info"]
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason not in ("stop", "length"):
+            raise _Retryable(f"request ended with finish_reason {meta.get('finish_reason')}")
+        if self._version and str(meta.get("weight_version")) != str(self._version):
+            raise _Retryable(f"sample from weight version {meta.get('weight_version')!r}, "
+                             f"expected {self._version}")
+        ids = [int(t) for t in item["output_ids"]]
+        token_logprobs = meta["output_token_logprobs"]  # [[logprob, token_id, text|None], ...]
+        if [int(e[1]) for e in token_logprobs] != ids:
+            raise ValueError("SGLang output_token_logprobs do not match output_ids")
+        return Sample(index, prompt, ids, [float(e[0]) for e in token_logprobs], reason)
+
+    def _check_server(self, server: Server) -> None:
+        """Take a dead server out of rotation; restart it when this process launched it."""
+        if server.client.healthy("/health"):
+            return
+        with self._lock:
+            server.version = -1  # holds no trained weights until the next full update
+        if server.process is None:
+            log.error("SGLang server %s is not answering (not launched here: not restarted)", server.url)
+            return
+        lock = self._restart_locks[id(server)]
+        if not lock.acquire(blocking=False):
+            return  # another request's failure is restarting it already
+        try:
+            log.warning("SGLang server %s is dead; restarting it", server.url)
+            server.process.stop(timeout_s=10.0)
+            server.process.start()
+            wait_healthy([server], self.cfg.startup_timeout_s)
+            with self._lock:
+                server.restarts += 1
+                self.stats["restarts"] += 1
+                if self._version == 0:
+                    server.version = 0  # nothing trained yet: the checkpoint is current
+        finally:
+            lock.release()
+
+    # ---- weight updates ------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def broadcast(self, path: str, body: dict | None = None, servers: list[Server] | None = None) -> list:
+        """POST `path` to every (given) server concurrently; raise on the first failure."""
+        targets = self.servers if servers is None else servers
+        with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+            return list(pool.map(lambda s: _checked(s.client.post(path, body or {}), s, path), targets))
+
+    def begin_update(self, version: int) -> None:
+        if version <= self._version:
+            raise ValueError(f"weight version {version} is not newer than the engine's {self._version}")
+        if self._pending not in (None, version):
+            raise ValueError(f"version {version} while the update to {self._pending} is in progress")
+        self._pending = version
+        self._kv_scales_sent = set()
+
+    def note_sent(self, names: Iterable[str]) -> None:
+        """Transports report what reached every server (FP8 KV scales are checked at finish)."""
+        self._kv_scales_sent.update(n for n in names if n.rpartition(".")[2] in KV_SCALE_LEAVES)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """One bucket through update_weights_from_tensor (single-GPU servers; see sync.sglang_transport)."""
+        from megatron_rl.rollout.sglang_payload import LOAD_FORMAT, flatten_bucket, serialize_flattened
+
+        if self._pending is None:
+            self.begin_update(version)
+        bucket = list(named_tensors)
+        flat, meta = flatten_bucket(bucket)
+        if flat.is_cuda:
+            _sglang.patch_cuda_ipc_reductions()
+        payload = serialize_flattened(flat, meta)
+        for s in self.servers:
+            self.broadcast("/update_weights_from_tensor", {
+                "serialized_named_tensors": [payload] * s.tp_size, "load_format": LOAD_FORMAT,
+                "flush_cache": False, "weight_version": str(version)}, servers=[s])
+        self.note_sent(n for n, _ in bucket)
+
+    def update_weights_from_disk(self, path: str | Path, version: int) -> None:
+        """Load a published safetensors folder (megatron_rl.sync.disk_transport) on every server."""
+        index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
+        self.begin_update(version)
+        self.pause()
+        self.broadcast("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
+        self.note_sent(index["weight_map"])
+        self.finish_update(version)
+        self.resume()
+
+    def finish_update(self, version: int) -> None:
+        """Every bucket is in: check FP8 KV scales came along, flush the radix cache, adopt `version`."""
+        if self._pending != version:
+            raise ValueError(f"finish_update({version}) but the update in progress is {self._pending}")
+        if self.cfg.kv_cache_dtype.startswith("fp8") and not self._kv_scales_sent:
+            raise ValueError(f"version {version}: kv_cache_dtype={self.cfg.kv_cache_dtype} but no "
+                             "k_scale/v_scale tensors were sent; stale KV scales silently corrupt attention")
+        self.flush_cache()
+        with self._lock:
+            for s in self.servers:
+                s.version = version
+            self._version, self._pending = version, None
+
+    def flush_cache(self) -> None:
+        self.broadcast("/flush_cache")
+
+    def pause(self) -> None:
+        """Stop generation on every server; a launched server found dead is restarted first (it then
+        takes part in the full update that follows)."""
+        for server in self.servers:
+            self._check_server(server)
+        self.broadcast("/pause_generation", {"mode": self.cfg.pause_mode})
+
+    def resume(self) -> None:
+        self.broadcast("/continue_generation", {})
+
+    def release_memory(self) -> None:
+        """Colocated: free weights and KV cache (SGLang discards the weights: a full update follows)."""
+        self.broadcast("/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        self.broadcast("/resume_memory_occupation", {})
+
+    def check_weights(self, action: str = "checksum", allow_quant_error: bool = False) -> list[dict]:
+        """SGLang's /weights_checker on every server (checksum | snapshot | reset_tensors | compare)."""
+        return self.broadcast("/weights_checker", {"action": action, "allow_quant_error": allow_quant_error})
+
+    def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        raise NotImplementedError(
+            "SGLang fuses (qkv, gate_up) and TP-shards what it holds, so HF-named digests cannot be read "
+            "back; the SGLang transports check updates with check_weights() instead")
+
+
+def _generate_body(rows, sampling: SamplingParams) -> dict:
+    params = []
+    for index, _, replica in rows:
+        p = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+             "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos}
+        if sampling.stop_token_ids:
+            p["stop_token_ids"] = sorted(int(t) for t in sampling.stop_token_ids)
+        if sampling.seed is not None:  # distinct per row, else the n replicas would be identical
+            p["sampling_seed"] = (sampling.seed * 1_000_003 + index * 1_009 + replica) % 2**31
+        params.append(p)
+    return {"input_ids": [prompt for _, prompt, _ in rows], "sampling_params": params,
+            "return_logprob": True, "logprob_start_len": -1}
+
+
+def _as_list(out, num_rows: int) -> list[dict]:
+    items = out if isinstance(out, list) else [out]
+    if len(items) != num_rows:
+        raise _Retryable(f"/generate returned {len(items)} results for {num_rows} inputs")
+    return items
+
+
+def _checked(resp, server: Server, path: str):
+    """Weight-update endpoints answer {"success": bool, "message": str}; success=False is an error."""
+    if isinstance(resp, dict) and resp.get("success") is False:
+        raise RuntimeError(f"{server.url}{path} failed: {resp.get('message')}")
+    return resp
+

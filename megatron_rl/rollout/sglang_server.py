@@ -1,0 +1,121 @@
+"""SGLang server and router processes: command lines, start, health wait, restart, stop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rl.rollout import _sglang
+from megatron_rl.rollout.sglang_client import SGLangClient
+from megatron_rl.rollout.sglang_config import SGLangConfig
+
+
+def server_args(cfg: SGLangConfig, model_path: str, port: int, base_gpu_id: int, seed: int) -> list[str]:
+    """`sglang.launch_server` arguments of one server (one TP group), without --api-key (added by
+    `build_servers`, so the key never lands in a config dump or a log of these arguments)."""
+    args = ["--model-path", model_path, "--host", cfg.host, "--port", str(port),
+            "--tp-size", str(cfg.tp_size), "--base-gpu-id", str(base_gpu_id),
+            "--mem-fraction-static", str(cfg.mem_fraction_static), "--random-seed", str(seed),
+            "--kv-cache-dtype", cfg.kv_cache_dtype, "--weight-version", "0"]
+    if cfg.quantization:
+        args += ["--quantization", cfg.quantization]
+    if cfg.mode == "colocated":
+        args += ["--enable-memory-saver"]  # release/resume_memory_occupation need it
+    return args + list(cfg.extra_args)
+
+
+def router_args(cfg: SGLangConfig, worker_urls: list[str]) -> list[str]:
+    return ["--worker-urls", *worker_urls, "--host", cfg.host, "--port", str(cfg.router_port),
+            "--policy", "cache_aware"]
+
+
+@dataclass
+class ManagedProcess:
+    """A child process we started and may restart with the same command line."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        finally:
+            if self.log_path:
+                log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if not self.alive():
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout_s)
+
+
+@dataclass
+class Server:
+    """One SGLang server as the engine sees it. `version` is the weight version it holds."""
+
+    client: SGLangClient
+    tp_size: int = 1
+    process: ManagedProcess | None = None
+    version: int = 0
+    restarts: int = 0
+    in_flight: int = field(default=0, compare=False)
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+def launch_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")  # /health = liveness only
+    return env
+
+
+def build_servers(cfg: SGLangConfig, model_path: str, api_key: str, seed: int = 0,
+                  log_dir: Path | None = None, argv_fn=None) -> list[Server]:
+    """The engine's servers: the configured URLs, or `num_servers` launched here (not yet started).
+
+    argv_fn(port, base_gpu_id) -> argv overrides the `sglang.launch_server` command (tests use it
+    to start a protocol-conformance server instead).
+    """
+    if cfg.server_urls:
+        return [Server(SGLangClient(u, api_key, cfg.request_timeout_s), cfg.tp_size) for u in cfg.server_urls]
+    servers = []
+    for i in range(cfg.num_servers):
+        port, gpu = cfg.base_port + i, i * cfg.tp_size
+        if argv_fn is not None:
+            argv = argv_fn(port, gpu)
+        else:
+            argv = _sglang.server_argv(server_args(cfg, model_path, port, gpu, seed) + ["--api-key", api_key])
+        log = log_dir / f"sglang_server_{i}.log" if log_dir else None
+        proc = ManagedProcess(argv, launch_env(), log)
+        client = SGLangClient(f"http://{cfg.host}:{port}", api_key, cfg.request_timeout_s)
+        servers.append(Server(client, cfg.tp_size, proc))
+    return servers
+
+
+def wait_healthy(servers: list[Server], timeout_s: float, poll_s: float = 0.5) -> None:
+    """Block until every server answers /health; RuntimeError naming the first that never does."""
+    deadline = time.monotonic() + timeout_s
+    for server in servers:
+        while not server.client.healthy("/health", timeout_s=5.0):
+            if server.process is not None and not server.process.alive():
+                raise RuntimeError(f"SGLang server {server.url} exited during startup (see its log)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SGLang server {server.url} not healthy after {timeout_s:.0f} s")
+            time.sleep(poll_s)

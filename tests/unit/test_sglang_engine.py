@@ -1,0 +1,102 @@
+"""SGLangEngine against protocol-conformance servers on loopback (schemas from the sglang package)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_testing import API_KEY, make_engine, needs_sglang_source
+
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError
+
+pytestmark = [needs_sglang_source, pytest.mark.timeout(120)]
+
+PROMPTS = [[3, 17, 42, 5], [9, 9, 1], [60, 2, 33, 7, 11], [4], [80, 81], [5, 6, 7], [12, 13], [99, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def engine(qwen2_dir, tmp_path_factory):
+    """Two conformance servers; server 1 crashes inside its first /generate request."""
+    marker = tmp_path_factory.mktemp("crash") / "died"
+    eng = make_engine(qwen2_dir, num_servers=2, max_batch_per_request=2, requests_per_server=1,
+                      extra_by_server={1: ["--die-on-generate-once", str(marker)]})
+    eng.crash_marker = marker
+    yield eng
+    eng.shutdown()
+
+
+def teacher_forced_logprobs(model_dir, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """Independent reference: one HF forward over prompt + response, log_softmax at T = 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for prompt, response in rows:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0].float(), dim=-1)
+        out.append([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)])
+    return out
+
+
+def test_server_dying_mid_rollout_is_restarted_and_requests_retried(engine):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=1, ignore_eos=True)
+    samples = engine.generate(PROMPTS, sampling)
+    assert engine.crash_marker.exists()
+    assert [s.prompt_index for s in samples] == [i for i in range(len(PROMPTS)) for _ in range(2)]
+    assert all(len(s.response_ids) == 4 and len(s.rollout_logprobs) == 4 for s in samples)
+    assert engine.stats["restarts"] == 1 and engine.stats["retries"] >= 1
+    assert all(s.client.healthy() and s.version == 0 for s in engine.servers)
+
+
+def test_generate_returns_real_per_token_logprobs(engine, qwen2_dir):
+    samples = engine.generate(PROMPTS[:4], SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=7,
+                                                          ignore_eos=True))
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(len(s.response_ids) == 5 and s.finish_reason == "length" for s in samples)
+    assert len({tuple(s.response_ids) for s in samples[:2]} | {tuple(s.rollout_logprobs) for s in samples[:2]}) > 2
+    refs = teacher_forced_logprobs(qwen2_dir, [(s.prompt_ids, s.response_ids) for s in samples[:3]])
+    for s, ref in zip(samples, refs):
+        assert s.rollout_logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def test_wrong_api_key_is_refused(engine):
+    url = engine.servers[0].url
+    bad = SGLangClient(url, "not-the-key", timeout_s=10)
+    for path, body in [("/update_weights_from_disk", {"model_path": "/x"}), ("/pause_generation", {}),
+                       ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})]:
+        with pytest.raises(SGLangHTTPError) as err:
+            bad.post(path, body)
+        assert err.value.status == 401
+    assert bad.healthy("/health")  # SGLang leaves health probes open
+    good = SGLangClient(url, API_KEY)
+    assert good.post("/pause_generation", {})["status"] == "ok"
+    assert good.post("/continue_generation", {})["status"] == "ok"
+
+
+def test_conformance_server_refuses_fields_sglang_does_not_define(engine):
+    client = engine.servers[0].client
+    with pytest.raises(SGLangHTTPError, match="unknown field"):
+        client.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                         "weight_versions": "1"})
+    with pytest.raises(SGLangHTTPError, match="missing required field 'master_port'"):
+        client.post("/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1,
+                                                   "world_size": 2})
+    with pytest.raises(SGLangHTTPError, match="does not fit"):
+        client.post("/pause_generation", {"mode": "sleep"})
+
+
+def test_restarted_server_serves_nothing_until_the_next_update(engine):
+    from megatron_rl.rollout.sglang_engine import RolloutUnavailableError
+
+    engine._version = 3  # as after three weight updates
+    for s in engine.servers:
+        s.version = 3
+    engine.servers[0].process.proc.kill()
+    engine.servers[0].process.proc.wait()
+    restarts = engine.stats["restarts"]
+    with pytest.raises(RolloutUnavailableError, match="re-sync the weights"):
+        engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
+    # server 1 answered, but its samples say weight_version "0": never taken as version 3
+    assert engine.stats["restarts"] == restarts + 1
+    assert engine.servers[0].version == -1
