@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from megatron_rl.convert import mcore_layout as layout
 from megatron_rl.convert.output import Summary, atomic_output_dir, copy_side_files, progress_bar
-from megatron_rl.convert.safetensors_io import HFCheckpoint
+from megatron_rl.convert.safetensors_io import HFSafetensors
 from megatron_rl.convert.torch_dist_io import bytes_item, chunk_items, write_torch_dist
 from megatron_rl.models import name_map
 from megatron_rl.models.hf_config import ModelSpec, transformer_config_kwargs
@@ -30,7 +30,7 @@ HF_SUBDIR = "hf"
 FORMAT_VERSION = 1
 
 
-def check_hf_tensors(ckpt: HFCheckpoint, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def check_hf_tensors(ckpt: HFSafetensors, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor the config implies is present with the implied shape; nothing unexpected.
 
     Returns the HF shapes. Raises ValueError naming missing, unexpected or mis-shaped tensors.
@@ -61,7 +61,7 @@ class _FullTensors:
     """Builds full Megatron tensors from HF tensors; keeps only the latest one (chunks of one
     tensor are consecutive in the plan, so each is built once)."""
 
-    def __init__(self, ckpt: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype | None) -> None:
+    def __init__(self, ckpt: HFSafetensors, spec: ModelSpec, dtype: torch.dtype | None) -> None:
         self.ckpt, self.spec, self.dtype = ckpt, spec, dtype
         self._name: str | None = None
         self._full: torch.Tensor | None = None
@@ -117,8 +117,11 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
     spec = ModelSpec.from_hf_config(hf_dir)
-    transformer_config_kwargs(spec, tp=tp, pp=pp)  # Megatron's divisibility rules, named errors
-    ckpt = HFCheckpoint(hf_dir)
+    try:  # Megatron's divisibility rules (heads, KV heads, vocab, FFN, layers), named errors
+        transformer_config_kwargs(spec, tp=tp, pp=pp)
+    except ValueError as err:
+        raise ValueError(f"tp={tp}, pp={pp} do not fit this model: {err}") from err
+    ckpt = HFSafetensors(hf_dir)
     hf_shapes = check_hf_tensors(ckpt, spec)
     target = DTYPES[dtype] if dtype else None
     tensors = layout.stored_tensors(spec, hf_shapes)
@@ -137,7 +140,6 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
             tensor, box = slots[(item.index.fqn, tuple(item.index.offset))]
             chunk = _chunk(source.get(tensor.megatron_name), tensor, box)
             bar.update(chunk.numel() * chunk.element_size())
-            summary.num_tensors += 1
             summary.bytes_written += chunk.numel() * chunk.element_size()
             return chunk
 
@@ -145,7 +147,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, *, tp: int =
         (tmp / HF_SUBDIR).mkdir()
         copy_side_files(hf_dir, tmp / HF_SUBDIR)
     summary.bytes_read = source.bytes_read
-    summary.details.update({"parameters": len(tensors), "tp x pp": f"{tp} x {pp}",
+    summary.num_tensors = len(tensors)
+    summary.details.update({"tp x pp": f"{tp} x {pp}",
                             "dtype": dtype or "as in the HF files", "chunks": len(items)})
     return summary.finish()
 

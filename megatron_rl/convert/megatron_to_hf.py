@@ -114,7 +114,8 @@ def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *,
         copied = copy_side_files(side_dir, tmp, skip=("config.json",)) if side_dir else []
     used = {key for key, _ in located.values()}
     summary.details.update({"checkpoint": str(dist_dir), "architecture": spec.hf_architecture,
-                            "ignored keys": len(keys) - len(used) + reader.num_objects,
+                            "ignored": f"{len(keys) - len(used)} tensor key(s) (optimizer state, ...), "
+                                       f"{reader.num_objects} object(s) (extra state, ...)",
                             "side files": ", ".join(copied) or "none (no tokenizer found)",
                             "files": len(set(writer.weight_map.values()))})
     return summary.finish()

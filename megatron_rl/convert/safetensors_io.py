@@ -44,7 +44,7 @@ class TensorEntry:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-class HFCheckpoint:
+class HFSafetensors:
     """The safetensors weights of an HF model folder, read one tensor at a time.
 
     Accepts a sharded checkpoint (model.safetensors.index.json) or one or more *.safetensors

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -36,6 +37,8 @@ from megatron_rl.convert.mcore_layout import Box
 MEGATRON_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                    "common_backend": "torch", "common_backend_version": 1}
 CONTENT_METADATA_KEY = "content_metadata"
+# DCP warns that it runs in one process; that is the intent here.
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 Resolver = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
 
 
@@ -81,7 +84,9 @@ def write_torch_dist(out_dir: Path, items: list[WriteItem], resolve: Resolver,
     the resident set holds about one chunk per distinct key (a layer's worth), not the model.
     """
     writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, resolve), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, resolve), no_dist=True)
     torch.save({CONTENT_METADATA_KEY: content_metadata}, out_dir / "common.pt")
     # metadata.json last: Megatron treats a folder without it as not a distributed checkpoint.
     (out_dir / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
@@ -139,8 +144,10 @@ class TorchDistReader:
     def read(self, boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
         """{key: tensor shaped like its box}, in the stored dtype, with one DCP load call."""
         targets = {k: torch.empty(box[1], dtype=self.dtype(k)) for k, box in boxes.items()}
-        dcp.load(dict(targets), storage_reader=self._reader,
-                 planner=_BoxLoadPlanner(boxes, targets), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+            dcp.load(dict(targets), storage_reader=self._reader,
+                     planner=_BoxLoadPlanner(boxes, targets), no_dist=True)
         return targets
 
 
