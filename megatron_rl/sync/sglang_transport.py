@@ -1,0 +1,203 @@
+"""SGLang weight transports: tensor (colocated, CUDA IPC) and NCCL broadcast (disaggregated).
+
+Both drive an `SGLangEngine` with the ordering contract of `megatron_rl.sync.transport`::
+
+    transport.begin(v)        # pause_generation on every server, flush_cache
+    transport.send(bucket, v) # one flattened bucket per call (a weight and its scale together)
+    transport.finish(v)       # flush_cache, every server at weight_version v, continue_generation
+    transport.checksums(names)
+
+Check mode: SGLang fuses (qkv, gate_up) and TP-shards what it holds, so the HF-named digests that
+were sent cannot be read back. `checksums` returns the digests of the tensors every server
+acknowledged, after SGLang's /weights_checker says all replicas hold identical weights and that they
+changed from the previous version; a server that missed a bucket fails one of the two.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from megatron_rl.rollout import _sglang
+from megatron_rl.rollout.sglang_payload import (LOAD_FORMAT, distributed_spec, flatten_bucket,
+                                                serialize_flattened)
+from megatron_rl.sync.buckets import NamedTensor
+from megatron_rl.sync.transport import tensor_digest
+
+
+class _Checked:
+    """Digests of what every server acknowledged, plus the replica/change check of check mode."""
+
+    def __init__(self, engine, check: bool):
+        self.engine, self.check = engine, check
+        self.acked: dict[str, str] = {}
+        self.previous: list[str] | None = None
+
+    def record(self, bucket: list[NamedTensor]) -> None:
+        self.engine.note_sent(n for n, _ in bucket)
+        if self.check:
+            self.acked.update((n, tensor_digest(t)) for n, t in bucket)
+
+    def verify(self, names: list[str]) -> dict[str, str]:
+        replies = self.engine.check_weights("checksum")
+        per_server = [r.get("per_engine_checksum") for r in replies]
+        if len(set(per_server)) != 1:
+            raise RuntimeError(f"SGLang replicas hold different weights after the update: {per_server}")
+        if self.previous is not None and per_server == self.previous:
+            raise RuntimeError("SGLang weights_checker checksum did not change after a weight update")
+        self.previous = per_server
+        return {n: self.acked[n] for n in names if n in self.acked}
+
+
+class SGLangTensorTransport:
+    """Colocated: each bucket is flattened into a NEW buffer and handed to the servers by CUDA IPC
+    (update_weights_from_tensor, load_format flattened_bucket). The buffer is never reused: SGLang
+    answers before its device copy is done, so writing into the buffer again could corrupt weights.
+
+    Every TP rank of a server needs an IPC handle of a buffer on its own GPU: with tp_size > 1,
+    `gather(payload) -> list[str] | None` collects each rank's payload on the sending rank (see
+    `gloo_gather`) and returns None on the other ranks. With tp_size == 1 it is not needed.
+    """
+
+    def __init__(self, engine, check: bool = False, gather=None):
+        self.engine = engine
+        self.gather = gather
+        self.checked = _Checked(engine, check)
+
+    def begin(self, version: int) -> None:
+        self.engine.pause()
+        self.engine.flush_cache()
+        self.engine.begin_update(version)
+
+    def send(self, bucket: list[NamedTensor], version: int) -> None:
+        flat, metadata = flatten_bucket(bucket)
+        if flat.is_cuda:
+            _sglang.patch_cuda_ipc_reductions()
+        payload = serialize_flattened(flat, metadata)
+        payloads = self.gather(payload) if self.gather is not None else None
+        if self.gather is not None and payloads is None:
+            return  # a non-sending rank of the gather group
+        for server in self.engine.servers:
+            per_rank = payloads if payloads is not None else [payload] * server.tp_size
+            self.engine.broadcast("/update_weights_from_tensor", {
+                "serialized_named_tensors": per_rank, "load_format": LOAD_FORMAT,
+                "flush_cache": False, "weight_version": str(version)}, servers=[server])
+        self.checked.record(bucket)
+        del flat  # the consumer holds its own reference to the IPC memory now
+
+    def finish(self, version: int) -> None:
+        self.engine.finish_update(version)
+        self.engine.resume()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free IPC buffers the servers have released
+
+    def checksums(self, names: list[str]) -> dict[str, str]:
+        return self.checked.verify(names)
+
+
+def gloo_gather(group, src: int):
+    """gather(payload) for SGLangTensorTransport: every rank of `group` (the GPUs of one server, a
+    gloo group) calls it; the src rank gets the list in group-rank order, the others None."""
+    import torch.distributed as dist
+
+    def gather(payload: str):
+        out = [None] * dist.get_world_size(group) if dist.get_rank() == src else None
+        dist.gather_object(payload, out, dst=src, group=group)
+        return out
+
+    return gather
+
+
+class SGLangNcclTransport:
+    """Disaggregated: the trainer's engine rank (rank 0 of a dedicated group) broadcasts each
+    flattened bucket to every server's TP ranks (update_weights_from_distributed, flattened_bucket).
+
+    The group: world = 1 + sum of server tp sizes; server i's ranks start at 1 + sum of the tp sizes
+    before it. It is created on the first begin() (init_weights_update_group on every server while
+    this rank joins) and again, on a fresh port, after a server restart. A lock serializes the use
+    of the group: two broadcasts interleaving on one NCCL group deadlock.
+    """
+
+    def __init__(self, engine, master_addr: str, master_port: int, group_name: str = "megatron_rl_weights",
+                 backend: str = "nccl", check: bool = False, device: str | None = None,
+                 timeout_s: float = 600.0):
+        self.engine = engine
+        self.master_addr, self.master_port = master_addr, master_port
+        self.group_name, self.backend = group_name, backend
+        self.device = device or ("cuda" if backend == "nccl" else "cpu")
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.checked = _Checked(engine, check)
+        self.lock = threading.Lock()
+        self.group = None
+        self._epoch = 0
+        self._members: list[tuple[str, int]] = []
+
+    def begin(self, version: int) -> None:
+        self.engine.pause()
+        self.engine.flush_cache()
+        members = [(s.url, s.restarts) for s in self.engine.servers]
+        if self.group is None or members != self._members:
+            self._init_group()
+            self._members = members
+        self.engine.begin_update(version)
+
+    def _init_group(self) -> None:
+        with self.lock:
+            if self.group is not None:
+                self.engine.broadcast("/destroy_weights_update_group", {"group_name": self._name()},
+                                      servers=[s for s in self.engine.servers if s.restarts == 0])
+                torch.distributed.destroy_process_group(self.group)
+                self._epoch += 1
+            world, offsets = 1, []
+            for server in self.engine.servers:
+                offsets.append(world)
+                world += server.tp_size
+            bodies = [{"master_address": self.master_addr, "master_port": self.master_port + self._epoch,
+                       "rank_offset": off, "world_size": world, "group_name": self._name(),
+                       "backend": self.backend} for off in offsets]
+            with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+                calls = [pool.submit(self.engine.broadcast, "/init_weights_update_group", b, [s])
+                         for b, s in zip(bodies, self.engine.servers)]
+                self.group = init_update_group(self.master_addr, self.master_port + self._epoch, world,
+                                               self._name(), self.backend, self.timeout)
+                for call in calls:
+                    call.result()
+
+    def _name(self) -> str:
+        return f"{self.group_name}_{self._epoch}"
+
+    def send(self, bucket: list[NamedTensor], version: int) -> None:
+        flat, _ = flatten_bucket([(n, t.to(self.device)) for n, t in bucket])
+        body = {**distributed_spec(bucket), "group_name": self._name(), "load_format": LOAD_FORMAT,
+                "flush_cache": False, "weight_version": str(version)}
+        with self.lock, ThreadPoolExecutor(max_workers=1) as pool:
+            # The servers block in their receive until the broadcast; post first, then broadcast.
+            call = pool.submit(self.engine.broadcast, "/update_weights_from_distributed", body)
+            torch.distributed.broadcast(flat, src=0, group=self.group)
+            call.result()
+        self.checked.record(bucket)
+
+    def finish(self, version: int) -> None:
+        self.engine.finish_update(version)
+        self.engine.resume()
+
+    def checksums(self, names: list[str]) -> dict[str, str]:
+        return self.checked.verify(names)
+
+
+def init_update_group(addr: str, port: int, world_size: int, group_name: str, backend: str, timeout):
+    """Rank 0 of the weight-update group, built as SGLang builds its side (rendezvous on
+    tcp://addr:port, a store prefixed by the group name), so both sides meet on the same keys.
+    Independent of the trainer's default process group."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                    _world, rendezvous)
+
+    store, rank, world_size = next(rendezvous(f"tcp://{addr}:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group

@@ -1,0 +1,164 @@
+"""SGLang tensor / NCCL transports and the flattened-bucket wire format, against conformance servers."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+
+import sglang_protocol as proto
+from sglang_testing import free_port_block, make_engine, needs_sglang_source
+
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.sglang_payload import (distributed_spec, flatten_bucket, serialize_flattened,
+                                                unflatten_bucket)
+from megatron_rl.sync.buckets import iter_buckets
+from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.sync.transport import tensor_digest
+
+pytestmark = [needs_sglang_source, pytest.mark.timeout(120)]
+
+
+def test_flattening_orders_by_element_size_so_offsets_stay_aligned():
+    fp8 = torch.ones(3, dtype=torch.float32).to(torch.float8_e4m3fn)  # 3 bytes: would misalign what follows
+    bucket = [("a.weight", fp8), ("a.weight_scale_inv", torch.tensor([[2.0]])), ("n.weight", torch.ones(2, dtype=torch.bfloat16))]
+    flat, meta = flatten_bucket(bucket)
+    assert [(m.name, m.start_idx, m.end_idx) for m in meta] == [
+        ("a.weight_scale_inv", 0, 4), ("n.weight", 4, 8), ("a.weight", 8, 11)]
+    assert flat.dtype == torch.uint8 and flat.numel() == 11
+    assert distributed_spec(bucket) == {"names": ["a.weight_scale_inv", "n.weight", "a.weight"],
+                                        "dtypes": ["float32", "bfloat16", "float8_e4m3fn"],
+                                        "shapes": [[1, 1], [2], [3]]}
+    back = dict(unflatten_bucket(flat, meta))
+    assert back["a.weight_scale_inv"].item() == 2.0 and back["a.weight"].dtype == torch.float8_e4m3fn
+    assert back["n.weight"].tolist() == [1.0, 1.0]
+
+
+def test_payload_pickle_uses_only_globals_sglang_unpickles():
+    seen = []
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.append((module, name))
+            return super().find_class(module, name)
+
+    flat, meta = flatten_bucket([("w", torch.randn(4, 4)), ("s", torch.ones(1, 1))])
+    import base64
+    Recorder(io.BytesIO(base64.b64decode(serialize_flattened(flat, meta)))).load()
+    assert seen and set(seen) <= proto.unpickler_allowed_globals(), set(seen) - proto.unpickler_allowed_globals()
+
+
+@pytest.fixture(scope="module")
+def engine(qwen2_dir):
+    eng = make_engine(qwen2_dir, rollout_quant="fp8_blockwise", extra_by_server={0: ["--defer-copies"]})
+    yield eng
+    eng.shutdown()
+
+
+def payload(model_dir, version: int) -> list[tuple[str, torch.Tensor]]:
+    """The model's HF weights moved by `version` * 0.01 noise, quantized as the precision contract says."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(version)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    moved = [(n, t + 0.01 * version * torch.randn(t.shape, generator=gen)) for n, t in sorted(weights.items())]
+    return list(quantize_for_rollout(moved, RolloutQuantSpec("fp8_blockwise")))
+
+
+def held_digests(engine) -> dict[str, str]:
+    return engine.check_weights("checksum")[0]["ranks"][0]["checksums"]
+
+
+def requests_seen(engine) -> list[str]:
+    log = engine.servers[0].client.get("/_conformance/log")
+    return [p for p in log if p not in ("/health", "/weights_checker")]
+
+
+def run_sync(transport, named, version: int, bucket_bytes: int = 16 * 1024) -> int:
+    transport.begin(version)
+    buckets = list(iter_buckets(named, bucket_bytes))
+    for bucket in buckets:
+        transport.send(bucket, version)
+    transport.finish(version)
+    return len(buckets)
+
+
+def test_tensor_transport_delivers_exactly_what_was_sent(engine, qwen2_dir):
+    from megatron_rl.sync.sglang_transport import SGLangTensorTransport
+
+    named = payload(qwen2_dir, 1)
+    transport = SGLangTensorTransport(engine, check=True)
+    before = len(requests_seen(engine))
+    num_buckets = run_sync(transport, named, 1)
+    assert num_buckets > 2
+    assert requests_seen(engine)[before:] == (["/pause_generation", "/flush_cache"]
+                                              + ["/update_weights_from_tensor"] * num_buckets
+                                              + ["/flush_cache", "/continue_generation"])
+    held = held_digests(engine)
+    assert {n: held[n] for n, _ in named} == {n: tensor_digest(t) for n, t in named}
+    assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
+    assert engine.weight_version == 1
+    sample = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert len(sample.rollout_logprobs) == 3
+
+
+def test_reusing_the_ipc_buffer_corrupts_weights(engine, qwen2_dir):
+    """Why the transport never reuses a buffer: the server copies later than it answers."""
+    named = dict(payload(qwen2_dir, 2))
+    a = ("model.layers.0.input_layernorm.weight", named["model.layers.0.input_layernorm.weight"])
+    b = ("model.layers.1.input_layernorm.weight", named["model.layers.1.input_layernorm.weight"])
+    assert not torch.equal(a[1], b[1])
+    client = engine.servers[0].client
+    flat, meta = flatten_bucket([a])
+    client.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialize_flattened(flat, meta)],
+                                                "load_format": "flattened_bucket", "weight_version": "2"})
+    flat.copy_(flatten_bucket([b])[0])  # the next bucket written into the same buffer
+    client.post("/flush_cache")
+    assert held_digests(engine)[a[0]] == tensor_digest(b[1]) != tensor_digest(a[1])
+
+
+def test_nccl_transport_broadcasts_flattened_buckets(engine, qwen2_dir):
+    from megatron_rl.sync.sglang_transport import SGLangNcclTransport
+
+    transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True)
+    for version in (3, 4):
+        named = payload(qwen2_dir, version)
+        before = len(requests_seen(engine))
+        num_buckets = run_sync(transport, named, version)
+        init = ["/init_weights_update_group"] if version == 3 else []
+        assert requests_seen(engine)[before:] == (["/pause_generation", "/flush_cache"] + init
+                                                  + ["/update_weights_from_distributed"] * num_buckets
+                                                  + ["/flush_cache", "/continue_generation"])
+        held = held_digests(engine)
+        assert {n: held[n] for n, _ in named} == {n: tensor_digest(t) for n, t in named}
+        assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
+    assert engine.weight_version == 4
+
+
+def test_disk_transport_to_sglang_loads_the_published_folder(engine, qwen2_dir, tmp_path):
+    from megatron_rl.sync.disk_transport import DiskTransport
+
+    named = payload(qwen2_dir, 5)
+    transport = DiskTransport(engine, tmp_path / "weights", template_dir=qwen2_dir)
+    before = len(requests_seen(engine))
+    run_sync(transport, named, 5)
+    assert requests_seen(engine)[before:] == ["/pause_generation", "/update_weights_from_disk",
+                                              "/flush_cache", "/continue_generation"]
+    held = held_digests(engine)
+    assert {n: held[n] for n, _ in named} == {n: tensor_digest(t) for n, t in named}
+    assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
+    assert engine.weight_version == 5
+
+
+def test_fp8_kv_cache_refuses_an_update_without_fresh_kv_scales(monkeypatch):
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", "k")
+    cfg = SGLangConfig(server_urls=["http://127.0.0.1:9"], kv_cache_dtype="fp8_e4m3")
+    eng = SGLangEngine(cfg, "unused", start=False)
+    eng.begin_update(1)
+    with pytest.raises(ValueError, match="k_scale/v_scale"):
+        eng.finish_update(1)
