@@ -1,10 +1,11 @@
 """Per-token log-probs and entropy from vocab-parallel logits, never gathering the full vocabulary.
 
-Each TP rank holds logits for a contiguous vocab slice [rank * V/tp, (rank + 1) * V/tp). Three
+Each TP rank holds logits for a contiguous vocab slice [rank * V/tp, (rank + 1) * V/tp). Four
 [B, S] statistics are all-reduced over the TP group instead: the max (for stability), the sum of
-exp, the target logit and the sum of p * logit. The all-reduces are differentiable with an
-identity backward, Megatron's convention for a reduction whose result every TP rank then uses
-identically (each rank's gradient is the gradient of the one replicated loss).
+exp, the target logit and the sum of exp * logit. The sums are differentiable with an identity
+backward, Megatron's convention for a reduction whose result every TP rank then uses identically
+(each rank's gradient is the gradient of the one replicated loss). That is exact only if reduced
+values are never fed back into per-shard terms, which the formulas below respect.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def vocab_parallel_logprobs_and_entropy(logits_shard: torch.Tensor, targets: tor
     target_logit = _reduce_sum(picked * in_shard, tp_group, size)
     logprobs = target_logit - log_z
 
-    # H = log Z - sum_v p_v * z_v (z: shifted logits).
-    probs = exp / sum_exp.unsqueeze(-1)
-    expected_logit = _reduce_sum((probs * shifted).sum(dim=-1), tp_group, size)
-    entropy = log_z - expected_logit
+    # H = log Z - (sum_v e^z_v z_v) / Z (z: shifted logits). The numerator is reduced on its own:
+    # feeding the reduced Z back into per-shard terms (p_v = e^z_v / Z) would give Z gradient
+    # contributions that live on other ranks, which an identity backward silently drops.
+    weighted = _reduce_sum((exp * shifted).sum(dim=-1), tp_group, size)
+    entropy = log_z - weighted / sum_exp
     return logprobs, entropy
