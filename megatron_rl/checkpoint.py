@@ -31,22 +31,6 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def save_model(actor, path: Path) -> None:
-    """Model + optimizer as a torch_dist checkpoint (collective over all ranks)."""
-    from megatron.core import dist_checkpointing
-
-    dist_checkpointing.save(actor.sharded_state_dict(), str(path))
-
-
-def load_model(actor, path: Path) -> None:
-    from megatron.core import dist_checkpointing
-    from megatron.core.utils import unwrap_model
-
-    state = dist_checkpointing.load(actor.sharded_state_dict(), str(path))
-    unwrap_model(actor.model[0]).load_state_dict(state["model"])
-    actor.optimizer.load_state_dict(state["optimizer"])
-
-
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
@@ -79,7 +63,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "model").mkdir(parents=True)
         _barrier()
-        save_model(run.actor, tmp / "model")
+        run.actor.save_checkpoint(tmp / "model")
         torch.save(self._rl_state(run, step), tmp / f"rl_state_rank{rank}.pt")
         _barrier()
         if rank == 0:
@@ -108,7 +92,7 @@ class Checkpointer:
         if not state_path.exists():
             raise ValueError(f"checkpoint {folder} has no {state_path.name}: was it saved with "
                              f"another number of processes?")
-        load_model(run.actor, folder / "model")
+        run.actor.load_checkpoint(folder / "model")
         state = torch.load(state_path, weights_only=True)
         run.loader.load_state_dict(state["loader"])
         run.controller.load_state_dict(state["controller"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -244,5 +245,6 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["guard/skipped_updates"] = float(skipped_updates)  # non-finite gradients: no update
     out["calib/low"], out["calib/high"] = _bounds(run)
+    out["calib/high_unbounded"] = float(math.isinf(out["calib/high"]))  # JSON logs inf as null
     out["time/train"] = time.perf_counter() - t0
     return out

@@ -205,10 +205,15 @@ class MegatronActor:
     def set_lr(self, lr: float) -> None:
         _build.set_lr(self.optimizer, lr)
 
-    def sharded_state_dict(self) -> dict:
-        """Model + optimizer sharded state dict for megatron.core.dist_checkpointing."""
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+        """Model + optimizer sharded state dict for megatron.core.dist_checkpointing.
+
+        is_loading=True makes the optimizer allocate its (still empty) Adam state first: a fresh
+        optimizer has no exp_avg / exp_avg_sq yet, and without placeholders they are not loaded.
+        """
         model_sd = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+        return {"model": model_sd,
+                "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Megatron distributed checkpoint of model + optimizer into an existing empty folder
@@ -223,7 +228,7 @@ class MegatronActor:
 
         if not Path(ckpt_dir).is_dir():
             raise ValueError(f"checkpoint folder not found: {ckpt_dir}")
-        state = dist_checkpointing.load(self.sharded_state_dict(), str(ckpt_dir))
+        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir))
         unwrap_model(self.model[0]).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
