@@ -1,0 +1,120 @@
+"""The one Transformer Engine seam: Fp8Recipe -> TE recipe object, Megatron fp8 settings, TE env.
+
+Formats: E4M3 (max 448) for inputs and weights; grads E5M2 (max 57344) with fp8_format "hybrid"
+or E4M3 with "e4m3". Where quantization happens (TE and the emulation in linear.py alike): the
+two operands of each GEMM of every linear layer in the transformer blocks (QKV, output
+projection, fc1, fc2): fprop (input, weight), dgrad (grad_output, weight), wgrad (grad_output,
+input). Embedding, output layer, norms, attention softmax stay in high precision.
+
+| train_recipe | TE recipe             | Megatron fp8_recipe | scales                           |
+|--------------|-----------------------|---------------------|----------------------------------|
+| delayed      | DelayedScaling        | "delayed"           | fp32, amax history, margin       |
+| tensorwise   | Float8CurrentScaling  | "tensorwise"        | fp32 per tensor, current amax    |
+| blockwise    | Float8BlockScaling    | "blockwise"         | fp32 per 1x128 / 128x128 block   |
+| mxfp8        | MXFP8BlockScaling     | "mxfp8"             | E8M0 per 1x32 block (Blackwell)  |
+| rowwise      | (none)                | (none)              | emulated layers only             |
+
+Transformer Engine is imported only inside functions here; nothing else in the package does.
+"""
+
+import os
+
+import torch
+
+from megatron_rl.fp8.recipe import Fp8Recipe
+
+TE_BLOCK = 128  # Float8BlockScaling's fixed 1x128 / 128x128 block
+_MEGATRON_RECIPE = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise",
+                    "mxfp8": "mxfp8"}
+
+
+def te_available() -> bool:
+    """True when CUDA is present and transformer_engine.pytorch imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.common.recipe  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):  # OSError/RuntimeError: broken CUDA libs
+        return False
+    return True
+
+
+def build_te_recipe(recipe: Fp8Recipe):
+    """The transformer_engine.common.recipe object for `recipe` (for te.fp8_autocast).
+
+    Raises ValueError for bf16 and rowwise (no TE recipe: rowwise runs emulated) and for a
+    blockwise block_size other than TE's 128; ImportError when TE is not installed.
+    """
+    _check_te_mappable(recipe)
+    try:
+        from transformer_engine.common import recipe as te_recipe
+    except ImportError as err:
+        raise ImportError("build_te_recipe needs transformer_engine (pip install "
+                          "'megatron_rl[gpu]' on a CUDA machine)") from err
+    fmt = te_recipe.Format.HYBRID if recipe.fp8_format == "hybrid" else te_recipe.Format.E4M3
+    if recipe.name == "delayed":
+        return te_recipe.DelayedScaling(margin=recipe.margin, fp8_format=fmt,
+                                        amax_history_len=recipe.amax_history_len,
+                                        amax_compute_algo=recipe.amax_compute_algo)
+    if recipe.name == "mxfp8":
+        return te_recipe.MXFP8BlockScaling(fp8_format=fmt)
+    cls = te_recipe.Float8CurrentScaling if recipe.name == "tensorwise" else te_recipe.Float8BlockScaling
+    built = cls(fp8_format=fmt)
+    # The QParams are class attributes fixed at import from NVTE_* env vars (blockwise defaults to
+    # power-of-two scales); set them on the instance so the contract's choice wins.
+    qparams = te_recipe.QParams(power_2_scale=recipe.power_2_scales, amax_epsilon=0.0)
+    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+        setattr(built, name, qparams)
+    return built
+
+
+def megatron_fp8_kwargs(recipe: Fp8Recipe) -> dict:
+    """TransformerConfig fp8 fields (megatron-core 0.16.1) for the TE layer spec.
+
+    Megatron builds its own TE recipe from these (fp8_utils.get_fp8_recipe), so FP32 block
+    scales additionally need te_environment(recipe) set before TE is imported.
+    """
+    if not recipe.enabled:
+        return {"fp8": None}
+    _check_te_mappable(recipe)
+    return {
+        "fp8": recipe.fp8_format,
+        "fp8_recipe": _MEGATRON_RECIPE[recipe.name],
+        "fp8_margin": recipe.margin,
+        "fp8_amax_history_len": recipe.amax_history_len,
+        "fp8_amax_compute_algo": recipe.amax_compute_algo,
+        "fp8_wgrad": True,  # wgrad GEMM in FP8 too, as the emulation does
+        "fp8_param": False,  # primary weights stay high precision (the BF16 shadow needs them)
+    }
+
+
+def te_environment(recipe: Fp8Recipe) -> dict:
+    """Environment variables TE reads at import time to follow `recipe` (set them in the launcher).
+
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 makes Float8BlockScaling use FP32 (not power-of-two)
+    scales; NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES does the converse for tensorwise.
+    """
+    if recipe.name == "blockwise":
+        return {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0" if recipe.power_2_scales else "1"}
+    if recipe.name == "tensorwise":
+        return {"NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": "1" if recipe.power_2_scales else "0"}
+    return {}
+
+
+def te_environment_mismatches(recipe: Fp8Recipe) -> dict:
+    """Variables of te_environment(recipe) whose current os.environ value differs: {name: value}."""
+    return {k: v for k, v in te_environment(recipe).items() if os.environ.get(k, "0") != v}
+
+
+def _check_te_mappable(recipe: Fp8Recipe) -> None:
+    if not isinstance(recipe, Fp8Recipe):
+        raise ValueError(f"recipe={recipe!r} is not an Fp8Recipe")
+    if not recipe.enabled:
+        raise ValueError("train_recipe='bf16' has no Transformer Engine recipe")
+    if recipe.name == "rowwise":
+        raise ValueError("train_recipe='rowwise' has no Transformer Engine recipe; it runs on the "
+                         "emulated FP8 layers (megatron_rl.models.fp8_layers)")
+    if recipe.name == "blockwise" and recipe.block_size != TE_BLOCK:
+        raise ValueError(f"block_size={recipe.block_size}: Transformer Engine's Float8BlockScaling "
+                         f"uses {TE_BLOCK}")
