@@ -48,19 +48,14 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float]]:
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     answers = [prompts[i // n].answer for i in range(len(samples))]
     rewards, stats = run.rewards.score(texts, answers)
-    rewards = torch.tensor(rewards, dtype=torch.float32)
-    nonfinite = ~torch.isfinite(rewards)
-    if nonfinite.any():  # a reward function bug: scored 0 and counted, like an exception
-        log.warning("reward function returned %d non-finite values: scored 0.0", int(nonfinite.sum()))
-        rewards = torch.where(nonfinite, torch.zeros_like(rewards), rewards)
+    rewards = torch.tensor(rewards, dtype=torch.float32)  # non-finite results: 0 and counted as errors
     a = run.cfg.algo
     if a.overlong_buffer_len > 0:
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rewards = rewards + overlong_penalty(lengths, run.cfg.rollout.max_new_tokens,
                                              a.overlong_buffer_len, a.overlong_penalty_factor)
     return rewards, {"reward/errors": float(stats["num_errors"]),
-                     "reward/timeouts": float(stats["num_timeouts"]),
-                     "reward/nonfinite": float(nonfinite.sum())}
+                     "reward/timeouts": float(stats["num_timeouts"])}
 
 
 def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
@@ -124,6 +119,24 @@ def _broadcast_from_engine_rank(samples, parallel):
     return payload[0]
 
 
+def pad_rows(batch: Batch, multiple: int) -> tuple[Batch, int]:
+    """Append fully masked rows so the row count is a multiple of `multiple` (the actor needs
+    equal micro-batches: pipeline stages exchange fixed shapes). Padding rows have loss_mask 0,
+    so they add nothing to the loss, its denominator or any metric. Returns (batch, real rows)."""
+    rows = batch["tokens"].shape[0]
+    extra = -rows % multiple
+    if extra == 0:
+        return batch, rows
+    return {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:]) * 0]) for k, v in batch.items()}, rows
+
+
+def _logprobs(run, batch: Batch, fp8: bool = True) -> torch.Tensor:
+    mbs = run.cfg.train.micro_batch_size
+    padded, rows = pad_rows(batch, mbs)
+    out = run.actor.compute_logprobs(padded, micro_batch_size=mbs, with_entropy=False, fp8=fp8)
+    return out["logprobs"][:rows]
+
+
 def _reduce_sum(run, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     return float(run.parallel.dp_reducer()(t)[0])
@@ -146,14 +159,12 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> B
     if batch is None:
         return None
     t0 = time.perf_counter()
-    mbs = run.cfg.train.micro_batch_size
     if run.cfg.algo.use_rollout_logprobs:
         batch["old_logprobs"] = batch["rollout_logprobs"].clone()
     else:
-        batch["old_logprobs"] = run.actor.compute_logprobs(batch, micro_batch_size=mbs, with_entropy=False)["logprobs"]
+        batch["old_logprobs"] = _logprobs(run, batch)
     if _shadow_step(run, step):
-        batch["old_logprobs_ref"] = run.actor.compute_logprobs(
-            batch, micro_batch_size=mbs, with_entropy=False, fp8=False)["logprobs"]
+        batch["old_logprobs_ref"] = _logprobs(run, batch, fp8=False)
     metrics["time/old_logprobs"] = time.perf_counter() - t0
     bad = _count_nonfinite(run, batch)
     metrics["guard/nonfinite_logprobs"] = bad
@@ -182,9 +193,7 @@ def _bounds(run) -> tuple[float, float]:
 
 def _calibrate(run, mb: Batch) -> dict[str, float]:
     """BF16 shadow at the current weights on the calibration mini-batch -> new (L, H)."""
-    mbs = run.cfg.train.micro_batch_size
-    cur8 = run.actor.compute_logprobs(mb, micro_batch_size=mbs, with_entropy=False)["logprobs"]
-    cur16 = run.actor.compute_logprobs(mb, micro_batch_size=mbs, with_entropy=False, fp8=False)["logprobs"]
+    cur8, cur16 = _logprobs(run, mb), _logprobs(run, mb, fp8=False)
     mask = mb["loss_mask"]
     ratio8 = torch.exp((cur8 - mb["old_logprobs"]) * mask)
     ratio16 = torch.exp((cur16 - mb["old_logprobs_ref"]) * mask)
@@ -236,7 +245,8 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
             if "old_logprobs_ref" in mb and epoch == cfg.train.ppo_epochs - 1 and i == len(parts) - 1:
                 out.update(_calibrate(run, mb))
             denominator = loss_denominator(mb["loss_mask"], cfg.algo.loss_agg_mode, reduce=reduce)
-            result = run.actor.train_step(mb, _loss_fn(run, denominator, _bounds(run)),
+            result = run.actor.train_step(pad_rows(mb, cfg.train.micro_batch_size)[0],
+                                          _loss_fn(run, denominator, _bounds(run)),
                                           micro_batch_size=cfg.train.micro_batch_size)
             loss_metrics.extend(result["metrics"])
             grad_norms.append(result["grad_norm"])

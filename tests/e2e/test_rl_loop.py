@@ -139,7 +139,7 @@ def _nan_reward(response: str, answer: str) -> float:
 def test_nan_reward_is_scored_zero_and_counted(tmp_path):
     register_reward_fn("test_nan", _nan_reward)
     (r,) = run_tiny(tmp_path, "fp8_calibrated.yaml", "train.num_steps=1", "reward.name=test_nan")
-    assert r["reward/nonfinite"] == 16 and r["reward/mean"] == 0.0
+    assert r["reward/errors"] == 16 and r["reward/mean"] == 0.0
 
 
 def test_nan_guard_skips_the_update(tmp_path):
