@@ -26,6 +26,7 @@ from megatron_rl.actor.forward import LossFn, make_forward_step, unwrap_model
 from megatron_rl.actor.parallel import ParallelInfo
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_config import ModelSpec
+from megatron_rl.models.layer_spec import te_available
 from megatron_rl.models.rope import rope_inv_freq
 
 
@@ -65,7 +66,9 @@ class MegatronActor:
             raise ValueError(f"clip_grad={clip_grad} must be finite and >= 0")
         is_dir = not isinstance(spec_or_hf_dir, ModelSpec)
         spec = ModelSpec.from_hf_config(spec_or_hf_dir) if is_dir else spec_or_hf_dir
-        config = _build.build_transformer_config(spec, parallel, params_dtype)
+        use_te = te_available() if use_te is None else use_te
+        te_fp8 = fp8_recipe if use_te and fp8_recipe is not None and fp8_recipe.enabled else None
+        config = _build.build_transformer_config(spec, parallel, params_dtype, te_fp8)
         model = [_build.build_model(spec, config, parallel, fp8_recipe=fp8_recipe,
                                     use_te=use_te, seed=seed)]
         optimizer = _build.build_optimizer(model, lr=lr, weight_decay=weight_decay,
@@ -118,7 +121,7 @@ class MegatronActor:
         step = make_forward_step(self.inv_freq, self.parallel.tp_group, None, with_entropy)
         for chunk in self.model:
             chunk.eval()
-        with torch.no_grad(), _precision(fp8):
+        with torch.no_grad(), _precision(self.config, fp8):
             outputs = self._run_schedule(step, micro_batches, forward_only=True)
         shape = tuple(batch["tokens"].shape)
         result = {"logprobs": self._from_last_stage(outputs, "logprobs", shape)}
@@ -247,10 +250,20 @@ def _wire_schedule_hooks(config, model: list[torch.nn.Module]) -> None:
     config.grad_scale_func = None  # fp32/bf16 here: no loss scaling
 
 
-def _precision(fp8: bool):
-    """fp8=False: the BF16 shadow (every FP8 layer runs unquantized; megatron_rl.fp8.switch)."""
+@contextlib.contextmanager
+def _precision(config, fp8: bool):
+    """fp8=False: the BF16 shadow. Emulated FP8 linears follow megatron_rl.fp8.fp8_disabled();
+    with the TE spec Megatron enters TE's fp8_autocast from config.fp8 at every forward
+    (fp8_utils.get_fp8_context), so it is cleared for the block and restored after."""
     if fp8:
-        return contextlib.nullcontext()
+        yield
+        return
     from megatron_rl.fp8 import fp8_disabled
 
-    return fp8_disabled()
+    saved = config.fp8
+    config.fp8 = None
+    try:
+        with fp8_disabled():
+            yield
+    finally:
+        config.fp8 = saved

@@ -9,10 +9,12 @@ import torch
 
 from megatron_rl.actor.parallel import ParallelInfo
 from megatron_rl.models.hf_config import ModelSpec, gpt_model_kwargs, transformer_config_kwargs
-from megatron_rl.models.layer_spec import build_layer_spec, te_available
+from megatron_rl.models.layer_spec import build_layer_spec
 
 
-def build_transformer_config(spec: ModelSpec, parallel: ParallelInfo, params_dtype: torch.dtype):
+def build_transformer_config(spec: ModelSpec, parallel: ParallelInfo, params_dtype: torch.dtype,
+                             te_fp8_recipe: Any = None):
+    """TransformerConfig of the actor; te_fp8_recipe (TE spec only) sets Megatron's fp8 fields."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if params_dtype not in (torch.float32, torch.bfloat16):
@@ -27,17 +29,20 @@ def build_transformer_config(spec: ModelSpec, parallel: ParallelInfo, params_dty
     # not divide by num_microbatches (schedules.py:259) and DDP sums over DP instead of
     # averaging (distributed_data_parallel.py:254-259).
     kwargs["calculate_per_token_loss"] = True
+    if te_fp8_recipe is not None:
+        from megatron_rl.fp8.te_recipe import megatron_fp8_kwargs
+
+        kwargs.update(megatron_fp8_kwargs(te_fp8_recipe))
     return TransformerConfig(**kwargs)
 
 
 def build_model(spec: ModelSpec, config, parallel: ParallelInfo, *, fp8_recipe: Any = None,
-                use_te: bool | None = None, seed: int = 0) -> torch.nn.Module:
+                use_te: bool = False, seed: int = 0) -> torch.nn.Module:
     """This PP stage's GPTModel, wrapped in Megatron DDP (gradient buffers + DP all-reduce)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    use_te = te_available() if use_te is None else use_te
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     layer_spec = build_layer_spec(spec, fp8_recipe=fp8_recipe, use_te=use_te)
