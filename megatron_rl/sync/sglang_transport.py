@@ -34,7 +34,7 @@ class _Checked:
     def __init__(self, engine, check: bool):
         self.engine, self.check = engine, check
         self.acked: dict[str, str] = {}
-        self.previous: list[str] | None = None
+        self.previous: tuple[list, dict] | None = None
 
     def record(self, bucket: list[NamedTensor]) -> None:
         self.engine.note_sent(n for n, _ in bucket)
@@ -46,10 +46,11 @@ class _Checked:
         per_server = [r.get("per_engine_checksum") for r in replies]
         if len(set(per_server)) != 1:
             raise RuntimeError(f"SGLang replicas hold different weights after the update: {per_server}")
-        if self.previous is not None and per_server == self.previous:
-            raise RuntimeError("SGLang weights_checker checksum did not change after a weight update")
-        self.previous = per_server
-        return {n: self.acked[n] for n in names if n in self.acked}
+        sent = {n: self.acked[n] for n in names if n in self.acked}
+        if self.previous is not None and per_server == self.previous[0] and sent != self.previous[1]:
+            raise RuntimeError("SGLang weights_checker checksum did not change although new weights were sent")
+        self.previous = (per_server, sent)
+        return sent
 
 
 class SGLangTensorTransport:
