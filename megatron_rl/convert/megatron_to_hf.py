@@ -46,6 +46,17 @@ def find_hf_config(dist_dir: Path, hf_config_dir: str | Path | None) -> tuple[di
                      "the run started from, holding config.json and the tokenizer)")
 
 
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def _check_no_unknown_parameters(keys: dict, used: set[str], dist_dir: Path) -> None:
+    """Model parameters the config does not describe mean the wrong config (e.g. a bias dropped)."""
+    unknown = sorted(k for k in keys if k.startswith(MODEL_KEY_PREFIXES) and k not in used)
+    if unknown:
+        raise ValueError(f"{dist_dir} holds parameters the HF config does not describe: {unknown[:5]} "
+                         "(wrong --hf-config-dir?)")
+
+
 def _hf_entries(tensors: list[layout.StoredTensor], spec: ModelSpec,
                 dtypes: dict[str, torch.dtype]) -> list[TensorEntry]:
     """HF names and shapes, planned on meta tensors through the same rules as the real data."""
@@ -91,6 +102,7 @@ def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *,
     tensors = layout.stored_tensors(spec)
     keys = reader.shapes()
     located = {t.megatron_name: layout.locate(t, keys) for t in tensors}
+    _check_no_unknown_parameters(keys, {key for key, _ in located.values()}, dist_dir)
     dtypes = {t.megatron_name: DTYPES[dtype] if dtype else reader.dtype(located[t.megatron_name][0])
               for t in tensors}
     entries = _hf_entries(tensors, spec, dtypes)

@@ -13,16 +13,18 @@ loads boxes (sub-blocks of global tensors), e.g. one layer of a stacked [num_lay
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import pickle
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
@@ -40,6 +42,21 @@ CONTENT_METADATA_KEY = "content_metadata"
 # DCP warns that it runs in one process; that is the intent here.
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 Resolver = Callable[[WriteItem], "torch.Tensor | io.BytesIO"]
+
+
+@contextlib.contextmanager
+def _plain_dcp_errors() -> Iterator[None]:
+    """Silence DCP's one-process warning; re-raise the error DCP wraps in CheckpointException
+    (a BaseException carrying each rank's failure) as itself, so a ValueError stays one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        try:
+            yield
+        except CheckpointException as err:
+            failures = [failure[0] for failure in err.failures.values()]
+            if failures and isinstance(failures[0], Exception):
+                raise failures[0] from None
+            raise
 
 
 def tensor_item(key: str, box: Box, global_shape: tuple[int, ...], dtype: torch.dtype) -> WriteItem:
@@ -84,8 +101,7 @@ def write_torch_dist(out_dir: Path, items: list[WriteItem], resolve: Resolver,
     the resident set holds about one chunk per distinct key (a layer's worth), not the model.
     """
     writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+    with _plain_dcp_errors():
         dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, resolve), no_dist=True)
     torch.save({CONTENT_METADATA_KEY: content_metadata}, out_dir / "common.pt")
     # metadata.json last: Megatron treats a folder without it as not a distributed checkpoint.
@@ -144,8 +160,7 @@ class TorchDistReader:
     def read(self, boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
         """{key: tensor shaped like its box}, in the stored dtype, with one DCP load call."""
         targets = {k: torch.empty(box[1], dtype=self.dtype(k)) for k, box in boxes.items()}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        with _plain_dcp_errors():
             dcp.load(dict(targets), storage_reader=self._reader,
                      planner=_BoxLoadPlanner(boxes, targets), no_dist=True)
         return targets
