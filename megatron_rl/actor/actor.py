@@ -34,7 +34,8 @@ class MegatronActor:
     """One rank's share (a TP shard of one PP stage) of the policy, its optimizer and its I/O."""
 
     def __init__(self, spec: ModelSpec, parallel: ParallelInfo, model: list[torch.nn.Module],
-                 optimizer, config, *, clip_grad: float, fp8_recipe: Any = None) -> None:
+                 optimizer, config, *, clip_grad: float, fp8_recipe: Any = None,
+                 use_te: bool = False) -> None:
         self.spec = spec
         self.parallel = parallel
         self.model = model
@@ -43,6 +44,7 @@ class MegatronActor:
         self.config = config
         self.clip_grad = clip_grad
         self.fp8_recipe = fp8_recipe
+        self.use_te = use_te
         self.inv_freq = rope_inv_freq(spec)
         self.layer_offset = _layer_offset(config, parallel)
         self._params = weights.global_params(model, self.layer_offset)
@@ -75,7 +77,7 @@ class MegatronActor:
                                            adam_betas=adam_betas, bf16=config.bf16)
         _wire_schedule_hooks(config, model)
         actor = cls(spec, parallel, model, optimizer, config, clip_grad=clip_grad,
-                    fp8_recipe=fp8_recipe)
+                    fp8_recipe=fp8_recipe, use_te=use_te)
         if is_dir and load_weights:
             actor.load_hf(spec_or_hf_dir)
         return actor
@@ -116,7 +118,7 @@ class MegatronActor:
         logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t]); 0 at t = 0 and at the first token of
         each packed sequence. fp8=False runs the BF16 shadow (quantization off).
         """
-        validate_batch(batch, self.spec.vocab_size, micro_batch_size)
+        self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
         step = make_forward_step(self.inv_freq, self.parallel.tp_group, None, with_entropy)
         for chunk in self.model:
@@ -138,7 +140,7 @@ class MegatronActor:
         Returns {"grad_norm", "lr", "loss" (sum over micro-batches), "metrics" (list per
         micro-batch), "skipped" (non-finite grad norm: no update)} on every rank.
         """
-        validate_batch(batch, self.spec.vocab_size, micro_batch_size)
+        self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
         step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn)
         for chunk in self.model:
@@ -152,6 +154,13 @@ class MegatronActor:
         return {"grad_norm": grad_norm, "lr": self.lr, "skipped": not updated,
                 "loss": float(sum(float(r["loss"]) for r in reduced)),
                 "metrics": [r["metrics"] for r in reduced]}
+
+    def _validate(self, batch: dict, micro_batch_size: int) -> None:
+        validate_batch(batch, self.spec.vocab_size, micro_batch_size)
+        if self.use_te and "seq_lens" in batch:
+            # TE's causal attention ignores the block-diagonal mask (it would need THD packing).
+            raise ValueError("batch['seq_lens'] (packed rows) needs the local layer spec "
+                             "(use_te=False); send padded rows with the TE spec")
 
     def _run_schedule(self, forward_step, micro_batches: list[dict], forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -1,1 +1,1 @@
-"""megatron_rl.models"""
+"""HF <-> Megatron-Core model mapping: configs (hf_config), name map and reshapes, layer specs, RoPE."""
