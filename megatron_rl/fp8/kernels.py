@@ -23,7 +23,7 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
 
 
 def quantize_groups(x: torch.Tensor, block: int, fp8_dtype: torch.dtype, power_2_scale: bool,
-                    amax_reducer: Optional[AmaxReducer], mx: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    amax_reducer: Optional[AmaxReducer], mx: bool):
     """One scale per 1 x block group of the last dim: q [..., K], scale_inv [..., ceil(K/block)]."""
     xf = x.float()
     groups, unpad, copied = group_last_dim(xf, block)

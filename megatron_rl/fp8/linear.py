@@ -97,11 +97,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         scale_g = _tensor_scale(plan, "grad_output", dy)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            g = _gemm(plan, "dgrad", (dy, "grad_output", scale_g), (weight.t(), "weight", ctx.scale_w))
+            w_t = (weight.t(), "weight", ctx.scale_w)
+            g = _gemm(plan, "dgrad", (dy, "grad_output", scale_g), w_t)
             grad_x = g.to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
-            g = _gemm(plan, "wgrad", (dy.t(), "grad_output", scale_g), (x2.t(), "input", ctx.scale_x))
+            x_t = (x2.t(), "input", ctx.scale_x)
+            g = _gemm(plan, "wgrad", (dy.t(), "grad_output", scale_g), x_t)
             grad_w = g.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.sum(dim=0)
@@ -165,7 +167,7 @@ def _scaled_mm_applies(qa: torch.Tensor, spec_a: OperandQuant, spec_b: OperandQu
 
 
 class Fp8Linear(nn.Linear):
-    """nn.Linear that runs the emulated FP8 GEMMs of `recipe` (high precision under fp8_disabled)."""
+    """nn.Linear running the emulated FP8 GEMMs of `recipe` (high precision in fp8_disabled)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: Fp8Recipe, device=None, dtype=None):

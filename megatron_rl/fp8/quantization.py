@@ -3,13 +3,13 @@
 Granularities (all scale groups run along the LAST dim, the GEMM contraction dim, except
 block128x128 which tiles the last two):
 
-| granularity    | scale group            | scale_inv shape for x [..., M, K]  | scale dtype          |
-|----------------|------------------------|------------------------------------|----------------------|
-| "tensorwise"   | whole tensor           | []                                 | float32              |
-| "rowwise"      | one row (all of K)     | [..., M, 1]                        | float32              |
-| "block1x128"   | 1 x b (b = 128)        | [..., M, ceil(K / b)]              | float32              |
-| "block128x128" | bm x bk (128 x 128)    | [..., ceil(M / bm), ceil(K / bk)]  | float32              |
-| "mxfp8"        | 1 x 32                 | [..., M, ceil(K / 32)]             | float8_e8m0fnu (E8M0)|
+| granularity    | scale group         | scale_inv shape for x [..., M, K] | scale dtype    |
+|----------------|---------------------|-----------------------------------|----------------|
+| "tensorwise"   | whole tensor        | []                                | float32        |
+| "rowwise"      | one row (all of K)  | [..., M, 1]                       | float32        |
+| "block1x128"   | 1 x b (b = 128)     | [..., M, ceil(K / b)]             | float32        |
+| "block128x128" | bm x bk (128 x 128) | [..., ceil(M / bm), ceil(K / bk)] | float32        |
+| "mxfp8"        | 1 x 32              | [..., M, ceil(K / 32)]            | float8_e8m0fnu |
 
 Partial blocks (a dim that is not a multiple of the block): the last block is shorter; its amax
 is taken over the elements that exist (as if zero-padded), and q keeps x's shape. All-zero
@@ -196,7 +196,8 @@ def _check_input(x: torch.Tensor, granularity: str, fp8_dtype: torch.dtype) -> N
     if not x.is_floating_point() or x.element_size() < 2:
         raise ValueError(f"x.dtype={x.dtype}: quantize takes a float16/bfloat16/float32 tensor")
     if x.dim() < (2 if granularity == "block128x128" else 1):
-        raise ValueError(f"granularity={granularity!r} needs more dims than x.shape={tuple(x.shape)}")
+        raise ValueError(f"granularity={granularity!r} needs more dims than "
+                         f"x.shape={tuple(x.shape)}")
 
 
 def _block_1d(granularity: str, block_size: BlockSize) -> int:

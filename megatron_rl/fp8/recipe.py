@@ -46,7 +46,7 @@ class Fp8Recipe:
     """A training FP8 recipe; `Fp8Recipe()` is bf16 (quantization off)."""
 
     name: str = "bf16"
-    """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8 (precision contract train_recipe)."""
+    """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8 (the contract's train_recipe)."""
     fp8_format: str = "hybrid"
     """hybrid (E4M3 forward, E5M2 grads) | e4m3 (E4M3 everywhere)."""
     amax_history_len: int = 1024

@@ -1,4 +1,4 @@
-"""Scale arithmetic shared by every recipe: amax -> scale, power-of-two rounding, E8M0, delayed update.
+"""Scale arithmetic of every recipe: amax -> scale, power-of-two rounding, E8M0, delayed update.
 
 Conventions (identical to Transformer Engine's kernels, so emulated and TE quantized bytes match):
 - `scale` multiplies the high-precision value before the cast: q = sat_cast(x_fp32 * scale).

@@ -59,8 +59,10 @@ def build_te_recipe(recipe: Fp8Recipe):
                                         amax_compute_algo=recipe.amax_compute_algo)
     if recipe.name == "mxfp8":
         return te_recipe.MXFP8BlockScaling(fp8_format=fmt)
-    cls = te_recipe.Float8CurrentScaling if recipe.name == "tensorwise" else te_recipe.Float8BlockScaling
-    built = cls(fp8_format=fmt)
+    if recipe.name == "tensorwise":
+        built = te_recipe.Float8CurrentScaling(fp8_format=fmt)
+    else:
+        built = te_recipe.Float8BlockScaling(fp8_format=fmt)
     # The QParams are class attributes fixed at import from NVTE_* env vars (blockwise defaults to
     # power-of-two scales); set them on the instance so the contract's choice wins.
     qparams = te_recipe.QParams(power_2_scale=recipe.power_2_scales, amax_epsilon=0.0)

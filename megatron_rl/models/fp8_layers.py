@@ -147,7 +147,7 @@ def _max_reducer(group) -> Optional[Callable[[torch.Tensor], None]]:
 
 
 def _amax_reduction_group(config, tp_group):
-    """TE's amax group (TP x DP x CP, or TP x CP with tp_only_amax_red) when parallel_state is up."""
+    """TE's amax group (TP x DP x CP; TP x CP with tp_only_amax_red) once parallel_state is up."""
     if not parallel_state.model_parallel_is_initialized():
         return tp_group
     # ModelParallelConfig (not TransformerConfig) has no tp_only_amax_red field.

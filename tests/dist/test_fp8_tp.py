@@ -81,7 +81,8 @@ def layer_cases(rank: int, groups: dict, config) -> dict:
         low = slice(N // 2, N) if data == "lopsided" else None
         w_col = grid(N, K, 1, None) if low is None else grid(K, N, 1, low).t().contiguous()
         col = {"x": grid(M, K, 0)[:, None], "w": w_col, "dy": grid(M, N, 2, low)[:, None]}
-        row = {"x": grid(M, N, 3, low)[:, None], "w": grid(K, N, 4, low), "dy": grid(M, K, 5)[:, None]}
+        row = {"x": grid(M, N, 3, low)[:, None], "w": grid(K, N, 4, low),
+               "dy": grid(M, K, 5)[:, None]}
         for name in RECIPES:
             recipe = Fp8Recipe(name, "hybrid", block_size=32)
             steps = 2 if name == "delayed" else 1  # step 2 quantizes with the recorded history

@@ -84,7 +84,8 @@ def test_delayed_state_in_state_dicts(mp_config):
     assert layer.fp8_state.num_updates.tolist() == [1, 1, 1]
     assert "fp8_state.amax_history" in layer.state_dict()
     sharded = layer.sharded_state_dict(prefix="l.", metadata={"dp_cp_group": None})
-    assert {"l.fp8_state.amax_history", "l.fp8_state.scale", "l.fp8_state.num_updates"} <= set(sharded)
+    keys = {"l.fp8_state.amax_history", "l.fp8_state.scale", "l.fp8_state.num_updates"}
+    assert keys <= set(sharded)
 
 
 def test_apply_fp8_to_layer_spec_swaps_the_four_linears_only():
@@ -105,7 +106,8 @@ def test_apply_fp8_to_layer_spec_swaps_the_four_linears_only():
                            (attn, "linear_proj", Fp8RowParallelLinear),
                            (mlp, "linear_fc1", Fp8ColumnParallelLinear),
                            (mlp, "linear_fc2", Fp8RowParallelLinear)):
-        assert getattr(sub, name).module is cls and getattr(sub, name).params["fp8_recipe"] is recipe
+        built = getattr(sub, name)
+        assert built.module is cls and built.params["fp8_recipe"] is recipe
     assert spec.submodules.input_layernorm is base.submodules.input_layernorm
     assert base.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear  # untouched
     bf16 = apply_fp8_to_layer_spec(base, Fp8Recipe("bf16"))

@@ -13,11 +13,14 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ["tensorwise", "rowwise", "blockwise", "mxfp8", "delayed"]
 
 # Written out by hand from TE's recipes (not read from Fp8Recipe): (granularity, block) per role.
+PER_TENSOR = {"input": ("tensorwise", None), "weight": ("tensorwise", None),
+              "grad": ("tensorwise", None)}
 LAYOUT = {
-    "tensorwise": {"input": ("tensorwise", None), "weight": ("tensorwise", None), "grad": ("tensorwise", None)},
-    "delayed": {"input": ("tensorwise", None), "weight": ("tensorwise", None), "grad": ("tensorwise", None)},
+    "tensorwise": PER_TENSOR,
+    "delayed": PER_TENSOR,
     "rowwise": {"input": ("rowwise", None), "weight": ("rowwise", None), "grad": ("rowwise", None)},
-    "blockwise": {"input": ("block1x128", 32), "weight": ("block128x128", 32), "grad": ("block1x128", 32)},
+    "blockwise": {"input": ("block1x128", 32), "weight": ("block128x128", 32),
+                  "grad": ("block1x128", 32)},
     "mxfp8": {"input": ("mxfp8", 32), "weight": ("mxfp8", 32), "grad": ("mxfp8", 32)},
 }
 
@@ -194,7 +197,8 @@ def test_delayed_state_is_checkpointable():
 
 
 def test_delayed_most_recent():
-    layer = Fp8Linear(2, 1, bias=False, recipe=Fp8Recipe("delayed", amax_compute_algo="most_recent"))
+    recipe = Fp8Recipe("delayed", amax_compute_algo="most_recent")
+    layer = Fp8Linear(2, 1, bias=False, recipe=recipe)
     for a in (8.0, 2.0):
         layer(torch.tensor([[a, 0.0]], requires_grad=True)).sum().backward()
     assert layer.fp8_state.scale[0].item() == pytest.approx(448.0 / 2.0)

@@ -1,4 +1,4 @@
-"""Rollout-side W8A8: blockwise / tensorwise weight quantization, the W8A8Linear GEMM, model swap."""
+"""Rollout W8A8: blockwise / tensorwise weight quantization, the W8A8Linear GEMM, model swap."""
 
 import pytest
 import torch
