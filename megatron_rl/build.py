@@ -116,14 +116,36 @@ def build_rewards(cfg: RunConfig):
 
 
 def build_engine(cfg: RunConfig, model_dir: Path):
-    if cfg.rollout.engine != "torch":
-        raise ValueError(f"config key 'rollout.engine': {cfg.rollout.engine!r} needs a GPU; "
-                         "the embedded engine is 'torch'")
+    """The rollout engine and the transport that feeds it (engine rank only)."""
+    if cfg.rollout.engine == "sglang":
+        return build_sglang(cfg, model_dir)
     from megatron_rl.rollout.torch_engine import TorchRolloutEngine
+    from megatron_rl.sync.transport import InProcessTransport
+
     p = cfg.precision
-    return TorchRolloutEngine(model_dir, rollout_quant=p.rollout_quant,
-                              weight_block_size=tuple(p.weight_block_size), scale_format=p.scale_format,
-                              high_precision=tuple(p.high_precision), seed=cfg.train.seed)
+    engine = TorchRolloutEngine(model_dir, rollout_quant=p.rollout_quant,
+                                weight_block_size=tuple(p.weight_block_size), scale_format=p.scale_format,
+                                high_precision=tuple(p.high_precision), seed=cfg.train.seed)
+    return engine, InProcessTransport(engine)
+
+
+def build_sglang(cfg: RunConfig, model_dir: Path):
+    """SGLang servers (launched or attached) and the configured weight transport.
+
+    Colocated servers with TP > 1 need every rank of a server's GPU group to gather its payload
+    (SGLangTensorTransport(gather=...)); this builder wires the single-sender layout."""
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.sync.disk_transport import DiskTransport
+    from megatron_rl.sync.sglang_transport import SGLangNcclTransport, SGLangTensorTransport
+
+    sg = cfg.rollout.sglang
+    engine = SGLangEngine(sg, model_dir, seed=cfg.train.seed, log_dir=Path(cfg.log.dir) / "sglang")
+    if sg.weight_transport == "tensor":
+        return engine, SGLangTensorTransport(engine, check=cfg.sync.check)
+    if sg.weight_transport == "nccl":
+        return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port,
+                                           check=cfg.sync.check)
+    return engine, DiskTransport(engine, sg.disk_dir or Path(cfg.log.dir) / "weights", template_dir=model_dir)
 
 
 def build_controller(cfg: RunConfig):
@@ -138,7 +160,6 @@ def build_run(cfg: RunConfig) -> Run:
     from megatron_rl.actor.parallel import init_parallel
     from megatron_rl.checkpoint import Checkpointer
     from megatron_rl.sync.quantize import RolloutQuantSpec
-    from megatron_rl.sync.transport import InProcessTransport
     from megatron_rl.sync.weight_sync import WeightSync
     from megatron_rl.telemetry import MetricsLogger
     from transformers import AutoTokenizer
@@ -154,8 +175,7 @@ def build_run(cfg: RunConfig) -> Run:
                                 weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed)
     actor.load_hf(model_dir)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
-    engine = build_engine(cfg, model_dir) if is_engine else None
-    transport = InProcessTransport(engine) if is_engine else None
+    engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
     sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints")

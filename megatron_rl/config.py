@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from megatron_rl.rollout.sglang_config import SGLangConfig, validate_sglang
+
 TRAIN_RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 ROLLOUT_QUANTS = ("bf16", "fp8_blockwise", "fp8_tensorwise")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -113,6 +115,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang servers, router and weight transport (rollout.engine=sglang; GPU only)."""
 
 
 @dataclass
@@ -297,6 +301,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     if (cfg.calib.enabled or cfg.calib.diagnose) and cfg.precision.train_recipe == "bf16":
         raise ValueError("config key 'calib.enabled': calibrated clipping calibrates FP8 against the "
                          "BF16 shadow; it needs precision.train_recipe other than 'bf16'")
+    if cfg.rollout.engine == "sglang":
+        validate_sglang(cfg.rollout.sglang)
     return cfg
 
 
