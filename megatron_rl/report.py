@@ -11,10 +11,10 @@ from megatron_rl.telemetry import read_jsonl
 FIGURES = {
     "learning.png": (("reward/mean", "reward"), ("entropy", "entropy"),
                      ("response_length/mean", "response length"), ("grad_norm", "grad norm")),
-    "clipping.png": (("clip/low_neg", "lower-clip fraction, A<0 (FP8 ratio)"),
+    "clipping.png": (("clip/low_neg", "lower-clip fraction, A<0"),
                      ("clip/high_pos", "upper-clip fraction, A>0"),
-                     ("false_clip/low_neg", "false lower-clip rate, A<0 (vs BF16 shadow)"),
-                     ("shadow/log_ratio_fp8_std", "std log r: FP8 (shadow steps)")),
+                     ("shadow/false_clip_low_neg", "false lower-clip rate, A<0 (vs BF16 shadow)"),
+                     ("noise/log_ratio_std_at_old", "std log r at theta_old (precision noise)")),
     "bounds.png": (("calib/low", "lower bound L"), ("calib/high", "upper bound H"),
                    ("calib/balance_fp8", "pos/neg update balance, FP8"),
                    ("calib/balance_bf16", "pos/neg update balance, BF16")),
@@ -28,11 +28,13 @@ TABLE = (
     ("entropy last", "entropy", "last"),
     ("entropy max", "entropy", "max"),
     ("resp len last", "response_length/mean", "last"),
-    ("std log r at old (FP8 noise)", "noise/log_ratio_std_at_old", "all"),
+    ("std log r at old", "noise/log_ratio_std_at_old", "all"),
+    ("clip low A<0 at old", "noise/clip_low_neg_at_old", "all"),
     ("clip low A<0", "clip/low_neg", "all"),
     ("clip high A>0", "clip/high_pos", "all"),
-    ("BF16 clip low A<0", "ref_clip/low_neg", "all"),
-    ("false clip A<0", "false_clip/low_neg", "all"),
+    ("shadow: FP8 clip low A<0", "shadow/clip_low_neg_fp8", "all"),
+    ("shadow: BF16 clip low A<0", "shadow/clip_low_neg_bf16", "all"),
+    ("shadow: false clip A<0", "shadow/false_clip_low_neg", "all"),
     ("mismatch exp|dlogp|", "mismatch/token_mult_prob_error", "all"),
     ("L mean", "calib/low", "all"),
     ("H mean", "calib/high", "all"),
@@ -67,6 +69,53 @@ def summary_table(runs: dict[str, list[dict]]) -> str:
     return "\n".join(rows)
 
 
+# Rows of the claims table (paper.md section 4): (claim, what is measured, metric key). Every value
+# averages the steps that log the key (shadow metrics: calibration/diagnose steps only) and seeds.
+CLAIMS = (
+    ("1", "std of log r at theta_old (pure precision noise)", "noise/log_ratio_std_at_old"),
+    ("1", "lower-clip fraction A<0 at theta_old", "noise/clip_low_neg_at_old"),
+    ("2", "lower-clip A<0 with the FP8 ratio (shadow batch)", "shadow/clip_low_neg_fp8"),
+    ("2", "lower-clip A<0 with the BF16 ratio (same tokens)", "shadow/clip_low_neg_bf16"),
+    ("2", "upper-clip A>0 with the FP8 ratio (shadow batch)", "shadow/clip_high_pos_fp8"),
+    ("2", "upper-clip A>0 with the BF16 ratio (same tokens)", "shadow/clip_high_pos_bf16"),
+    ("3", "false lower-clip rate P(r8 < L, r16 >= 1-eps; A<0)", "shadow/false_clip_low_neg"),
+    ("3", "share of zero-gradient A<0 tokens that are false", "shadow/false_clip_share"),
+    ("5", "BF16 lower-clip quantile alpha", "calib/alpha"),
+    ("5", "calibrated L (applied)", "calib/low"),
+    ("5", "calibrated H (applied)", "calib/high"),
+    ("7", "pos/neg balance, BF16 bounds on BF16 ratio", "calib/balance_bf16"),
+    ("7", "pos/neg balance, calibrated bounds on FP8 ratio", "calib/balance_fp8"),
+    ("7", "pos/neg balance, default bounds on FP8 ratio (diagnose)", "diag/balance_fp8"),
+    ("7", "pos/neg balance, BF16 (diagnose)", "diag/balance_bf16"),
+    ("4/8", "max entropy over the run (TIS on in every run)", "entropy"),
+    ("4/6", "reward, last quarter of the steps", "reward/mean"),
+    ("6", "response length, last quarter", "response_length/mean"),
+)
+
+
+def _variant(label: str) -> str:
+    """'fp8_tensorwise s2' -> 'fp8_tensorwise': seeds of one variant are averaged."""
+    return label.rsplit(" s", 1)[0] if " s" in label else label
+
+
+def claims_table(runs: dict[str, list[dict]]) -> str:
+    """Markdown: one row per measurement, one column per variant (seeds averaged)."""
+    variants: dict[str, list[list[dict]]] = {}
+    for label, records in runs.items():
+        variants.setdefault(_variant(label), []).append(records)
+    names = list(variants)
+    rows = ["| claim | measurement | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for claim, text, key in CLAIMS:
+        how = "max" if text.startswith("max") else "last" if "last quarter" in text else "all"
+        cells = []
+        for name in names:
+            vals = [reduce_column(r, key, how) for r in variants[name]]
+            vals = [v for v in vals if not math.isnan(v)]
+            cells.append(f"{sum(vals) / len(vals):.4g}" if vals else "")
+        rows.append(f"| {claim} | {text} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def load_runs(run_dirs: list[str | Path], labels: list[str] | None = None) -> dict[str, list[dict]]:
     runs = {}
     for i, d in enumerate(run_dirs):
@@ -81,7 +130,8 @@ def write_report(runs: dict[str, list[dict]], out_dir: str | Path, title: str = 
     """Write report.md and the figures into `out_dir`; returns the Markdown path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {title}", "", summary_table(runs), ""]
+    lines = [f"# {title}", "", "## Per run", "", summary_table(runs), "",
+             "## Measurements behind the paper's claims (paper.md section 4)", "", claims_table(runs), ""]
     for name, panels in FIGURES.items():
         plot_runs(runs, out_dir / name, panels)
         lines += [f"![{name[:-4]}]({name})", ""]

@@ -191,25 +191,41 @@ def _bounds(run) -> tuple[float, float]:
     return run.controller.bounds if run.cfg.calib.enabled else (1.0 - a.eps_clip, 1.0 + a.eps_clip_high)
 
 
+# Metrics of the calibration mini-batch, where FP8 and the BF16 shadow see the same tokens.
+SHADOW_KEYS = {
+    "clip/low_neg": "shadow/clip_low_neg_fp8", "clip/low_neg_ref": "shadow/clip_low_neg_bf16",
+    "clip/high_pos": "shadow/clip_high_pos_fp8", "clip/high_pos_ref": "shadow/clip_high_pos_bf16",
+    "false_clip/low_neg": "shadow/false_clip_low_neg", "missed_clip/low_neg": "shadow/missed_clip_low_neg",
+    "false_clip/share": "shadow/false_clip_share", "log_ratio/std": "shadow/log_ratio_fp8_std",
+    "log_ratio_ref/std": "shadow/log_ratio_bf16_std",
+}
+# Metrics of the first mini-batch, trained at theta_old: any ratio spread there is precision noise.
+NOISE_KEYS = {"log_ratio/std": "noise/log_ratio_std_at_old", "clip/low_neg": "noise/clip_low_neg_at_old",
+              "pg_clipfrac": "noise/pg_clipfrac_at_old"}
+# What calibration would set, logged by runs that only diagnose (calibration off).
+DIAGNOSE_KEYS = {"calib/alpha": "diag/alpha", "calib/low_raw": "diag/low", "calib/high_raw": "diag/high",
+                 "calib/balance_bf16": "diag/balance_bf16", "calib/balance_fp8_default": "diag/balance_fp8"}
+
+
+def _renamed(metrics: dict[str, float], names: dict[str, str]) -> dict[str, float]:
+    return {new: metrics[old] for old, new in names.items() if old in metrics}
+
+
 def _calibrate(run, mb: Batch) -> dict[str, float]:
-    """BF16 shadow at the current weights on the calibration mini-batch -> new (L, H)."""
+    """BF16 shadow at the current weights on the calibration mini-batch -> new (L, H).
+
+    Sets mb["ratio_ref"] so the loss reports false clips on these tokens. Without calibration
+    (diagnose only) a scratch copy of the controller computes what calibration would choose.
+    """
+    import copy
+
     cur8, cur16 = _logprobs(run, mb), _logprobs(run, mb, fp8=False)
     mask = mb["loss_mask"]
     ratio8 = torch.exp((cur8 - mb["old_logprobs"]) * mask)
-    ratio16 = torch.exp((cur16 - mb["old_logprobs_ref"]) * mask)
-    mb["ratio_ref"] = ratio16
-    reduce = run.parallel.dp_reducer()
-    out = {}
-    if run.cfg.calib.enabled:
-        out = run.controller.update(ratio8, ratio16, mb["advantages"], mask, reduce=reduce)
-    logr16 = torch.log(ratio16)[mask > 0]
-    logr8 = torch.log(ratio8)[mask > 0]
-    out.update(_reduced_means(run, {"shadow/log_ratio_bf16_mean": logr16, "shadow/log_ratio_bf16_sq": logr16**2,
-                                     "shadow/log_ratio_fp8_mean": logr8, "shadow/log_ratio_fp8_sq": logr8**2}))
-    for tag in ("bf16", "fp8"):
-        mean = out[f"shadow/log_ratio_{tag}_mean"]
-        out[f"shadow/log_ratio_{tag}_std"] = max(out.pop(f"shadow/log_ratio_{tag}_sq") - mean**2, 0.0) ** 0.5
-    return out
+    mb["ratio_ref"] = torch.exp((cur16 - mb["old_logprobs_ref"]) * mask)
+    controller = run.controller if run.cfg.calib.enabled else copy.deepcopy(run.controller)
+    out = controller.update(ratio8, mb["ratio_ref"], mb["advantages"], mask, reduce=run.parallel.dp_reducer())
+    return out if run.cfg.calib.enabled else _renamed(out, DIAGNOSE_KEYS)
 
 
 def _loss_fn(run, denominator: float, bounds: tuple[float, float]):
@@ -242,7 +258,8 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
     for epoch in range(cfg.train.ppo_epochs):
         parts = mini_batches(batch, cfg.train.num_mini_batches, gen)
         for i, mb in enumerate(parts):
-            if "old_logprobs_ref" in mb and epoch == cfg.train.ppo_epochs - 1 and i == len(parts) - 1:
+            calibrating = "old_logprobs_ref" in mb and epoch == cfg.train.ppo_epochs - 1 and i == len(parts) - 1
+            if calibrating:
                 out.update(_calibrate(run, mb))
             denominator = loss_denominator(mb["loss_mask"], cfg.algo.loss_agg_mode, reduce=reduce)
             result = run.actor.train_step(pad_rows(mb, cfg.train.micro_batch_size)[0],
@@ -251,6 +268,10 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
             loss_metrics.extend(result["metrics"])
             grad_norms.append(result["grad_norm"])
             skipped_updates += int(result["skipped"])
+            if epoch == 0 and i == 0:
+                out.update(_renamed(reduce_metrics(result["metrics"], reduce=reduce), NOISE_KEYS))
+            if calibrating:
+                out.update(_renamed(reduce_metrics(result["metrics"], reduce=reduce), SHADOW_KEYS))
     out.update(reduce_metrics(loss_metrics, reduce=reduce))
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["guard/skipped_updates"] = float(skipped_updates)  # non-finite gradients: no update

@@ -66,7 +66,8 @@ def test_fp8_calibrated_run(tmp_path, config):
     assert all(r["sync/check_mismatches"] == 0 for r in trained)
     # calibration ran on step 0 (period 2) with the BF16 shadow
     assert records[0]["calib/num_calibrations"] + records[0]["calib/num_skipped"] == 1
-    assert records[0]["shadow/log_ratio_fp8_std"] >= 0
+    assert records[0]["shadow/log_ratio_fp8_std"] >= 0 and records[0]["shadow/log_ratio_bf16_std"] >= 0
+    assert 0 <= records[0]["shadow/false_clip_low_neg"] <= records[0]["shadow/clip_low_neg_fp8"]
     # FP8 rollout vs FP8 trainer: a real, small mismatch
     assert 1.0 < trained[0]["mismatch/token_mult_prob_error"] < 1.5
     # weights changed: the final checkpoint differs from the warm-started model

@@ -10,7 +10,7 @@ from megatron_rl.report import load_runs, reduce_column, summary_table, write_re
 
 def _records():
     return [{"step": s, "reward/mean": float(s), "entropy": 1.0 + s,
-             "false_clip/low_neg": (0.1 if s % 2 == 0 else None)} for s in range(8)]
+             "shadow/false_clip_low_neg": (0.1 if s % 2 == 0 else None)} for s in range(8)]
 
 
 def test_reductions_by_hand():
@@ -18,7 +18,7 @@ def test_reductions_by_hand():
     assert reduce_column(recs, "reward/mean", "first") == 0.0
     assert reduce_column(recs, "reward/mean", "last") == pytest.approx((6 + 7) / 2)  # last quarter
     assert reduce_column(recs, "entropy", "max") == 8.0
-    assert reduce_column(recs, "false_clip/low_neg", "all") == pytest.approx(0.1)
+    assert reduce_column(recs, "shadow/false_clip_low_neg", "all") == pytest.approx(0.1)
     assert math.isnan(reduce_column(recs, "calib/low", "all"))
 
 
@@ -40,3 +40,17 @@ def test_report_files(tmp_path):
 def test_missing_run_folder_is_named(tmp_path):
     with pytest.raises(ValueError, match="absent"):
         load_runs([tmp_path / "absent"])
+
+
+def test_claims_table_averages_seeds_per_variant():
+    from megatron_rl.report import claims_table
+
+    runs = {"fp8 s1": [{"step": 0, "shadow/false_clip_low_neg": 0.1}, {"step": 1, "shadow/false_clip_low_neg": 0.3}],
+            "fp8 s2": [{"step": 0, "shadow/false_clip_low_neg": 0.6}],
+            "bf16 s1": [{"step": 0, "reward/mean": 0.5}]}
+    table = claims_table(runs)
+    header = table.splitlines()[0]
+    assert header.endswith("| fp8 | bf16 |")
+    row = next(line for line in table.splitlines() if "false lower-clip rate" in line)
+    assert row.split("|")[3].strip() == "0.4"  # mean of seed means (0.2, 0.6)
+    assert row.split("|")[4].strip() == ""  # bf16 logs no shadow metrics
