@@ -75,7 +75,8 @@ class Fp8Recipe:
     @classmethod
     def from_contract(cls, train_recipe: str, fp8_format: str, **kw) -> "Fp8Recipe":
         """Build from the precision contract's `train_recipe` and `fp8_format` (+ any field)."""
-        unknown = set(kw) - {f.name for f in dataclasses.fields(cls)} - {"name", "fp8_format"}
+        allowed = {f.name for f in dataclasses.fields(cls)} - {"name", "fp8_format"}
+        unknown = set(kw) - allowed
         if unknown:
             raise ValueError(f"unknown Fp8Recipe option(s): {sorted(unknown)}")
         return cls(name=train_recipe, fp8_format=fp8_format, **kw)

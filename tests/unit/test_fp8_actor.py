@@ -101,6 +101,25 @@ def test_fp8_train_step_gradients_and_delayed_history(actors):
     assert layer.fp8_state.num_updates.tolist() == [2, 2, 2]
 
 
+def test_delayed_state_survives_distributed_checkpoint(qwen3_dir, single_parallel, tmp_path):
+    from megatron_rl.actor.actor import MegatronActor
+
+    recipe = Fp8Recipe.from_contract("delayed", "hybrid", amax_history_len=8)
+    saved = MegatronActor.build(qwen3_dir, parallel=single_parallel, fp8_recipe=recipe, lr=0.0)
+    saved.train_step(make_batch(4), nll_loss, micro_batch_size=2)
+    (tmp_path / "ckpt").mkdir()  # save_checkpoint writes into an existing empty folder
+    saved.save_checkpoint(tmp_path / "ckpt")
+    loaded = MegatronActor.build(qwen3_dir, parallel=single_parallel, fp8_recipe=recipe)
+    loaded.load_checkpoint(tmp_path / "ckpt")
+    for a, b in zip(saved.model[0].modules(), loaded.model[0].modules()):
+        if getattr(a, "fp8_state", None) is not None:
+            for name in ("amax_history", "scale", "num_updates"):
+                assert torch.equal(getattr(a.fp8_state, name), getattr(b.fp8_state, name)), name
+            assert b.fp8_state.num_updates.tolist() == [2, 2, 2]
+    batch = make_batch(5)
+    assert torch.equal(logprobs(saved, batch), logprobs(loaded, batch))
+
+
 def _print_table() -> None:
     import tempfile
 
