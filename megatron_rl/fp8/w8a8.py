@@ -131,7 +131,7 @@ class W8A8Linear(nn.Module):
                              f"{tuple(target.shape)} for block_size={self.block_size}")
         self.weight.copy_(weight_fp8)
         target.copy_(weight_scale_inv.float())
-        self._dequantized = None
+        self.clear_cache()
 
     @torch.no_grad()
     def load_bf16(self, weight: torch.Tensor) -> None:
@@ -147,6 +147,10 @@ class W8A8Linear(nn.Module):
         if self.mode != "tensorwise":
             raise ValueError("input_scale is only used by mode='tensorwise'")
         self.input_scale = None if input_scale is None else input_scale.detach().float().reshape(())
+
+    def clear_cache(self) -> None:
+        """Drop the cached dequantized weight (rebuilt by the next forward), e.g. to free memory."""
+        self._dequantized = None
 
     def dequantized_weight(self) -> torch.Tensor:
         """The FP8 weight dequantized to float32 [out, in], cached until the next load."""
@@ -186,12 +190,12 @@ class W8A8Linear(nn.Module):
             moved = self._buffers[name]
             if moved.dtype != original.dtype:
                 self._buffers[name] = original.to(moved.device)
-        self._dequantized = None
+        self.clear_cache()
         return self
 
     def _load_from_state_dict(self, *args, **kwargs):
         # load_state_dict copies into the buffers in place: drop the dequantized cache.
-        self._dequantized = None
+        self.clear_cache()
         super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
