@@ -70,8 +70,7 @@ class MegatronActor:
         spec = ModelSpec.from_hf_config(spec_or_hf_dir) if is_dir else spec_or_hf_dir
         use_te = te_available() if use_te is None else use_te
         te_fp8 = fp8_recipe if use_te and fp8_recipe is not None and fp8_recipe.enabled else None
-        config = _build.build_transformer_config(spec, parallel, params_dtype, te_fp8,
-                                                 random_init=not (is_dir and load_weights))
+        config = _build.build_transformer_config(spec, parallel, params_dtype, te_fp8)
         model = [_build.build_model(spec, config, parallel, fp8_recipe=fp8_recipe,
                                     use_te=use_te, seed=seed)]
         optimizer = _build.build_optimizer(model, lr=lr, weight_decay=weight_decay,

@@ -13,11 +13,13 @@ from megatron_rl.models.layer_spec import build_layer_spec
 
 
 def build_transformer_config(spec: ModelSpec, parallel: ParallelInfo, params_dtype: torch.dtype,
-                             te_fp8_recipe: Any = None, random_init: bool = True):
+                             te_fp8_recipe: Any = None):
     """TransformerConfig of the actor; te_fp8_recipe (TE spec only) sets Megatron's fp8 fields.
 
-    random_init=False skips Megatron's weight initialization (minutes on CPU for an 8B model)
-    when every parameter is about to be loaded from a checkpoint.
+    Weights are always initialized, even when a checkpoint overwrites them next: with
+    perform_initialization=False Megatron also skips tagging TP-sharded weights
+    (tensor_model_parallel, partition_dim; tensor_parallel/layers.py:855-884), and the grad norm
+    then drops the shards of every TP rank but the first.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -33,7 +35,6 @@ def build_transformer_config(spec: ModelSpec, parallel: ParallelInfo, params_dty
     # not divide by num_microbatches (schedules.py:259) and DDP sums over DP instead of
     # averaging (distributed_data_parallel.py:254-259).
     kwargs["calculate_per_token_loss"] = True
-    kwargs["perform_initialization"] = random_init
     if te_fp8_recipe is not None:
         from megatron_rl.fp8.te_recipe import megatron_fp8_kwargs
 
