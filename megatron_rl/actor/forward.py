@@ -94,4 +94,5 @@ def _loss_func(micro_batch: dict, tp_group, loss_fn: LossFn | None, with_entropy
     loss, metrics = loss_fn(logprobs, entropy, micro_batch)
     if loss.dim() != 0:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+    metrics = {key: value.detach() for key, value in metrics.items()}
     return loss, num_tokens, {"loss": loss.detach().clone(), "metrics": metrics}

@@ -37,6 +37,9 @@ def test_logprobs_match_hf(arch, tied, tiny_hf_factory, single_parallel):
     assert lp_diff <= TOL and ent_diff <= TOL
     assert out["logprobs"][:, 0].abs().max() == 0  # no prediction for the first token
     assert (out["logprobs"][:, 1:] < 0).all()
+    only = actor.compute_logprobs(batch, micro_batch_size=3, with_entropy=False)
+    assert set(only) == {"logprobs"}
+    torch.testing.assert_close(only["logprobs"], out["logprobs"], rtol=0, atol=1e-6)
 
 
 def test_random_init_is_seeded_and_differs_from_hf(single_parallel):
