@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_rl.actor import build as _build
 from megatron_rl.actor import weights
 from megatron_rl.actor.batch import split_micro_batches, validate_batch
-from megatron_rl.actor.forward import LossFn, make_forward_step, unwrap_model
+from megatron_rl.actor.forward import LossFn, compute_device, make_forward_step, unwrap_model
 from megatron_rl.actor.parallel import ParallelInfo
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_config import ModelSpec
@@ -194,11 +194,11 @@ class MegatronActor:
         if par.is_last_stage:
             result = torch.cat([o[key] for o in outputs], dim=0).float().contiguous()
         else:
-            result = torch.empty(shape, dtype=torch.float32)
+            result = torch.empty(shape, dtype=torch.float32, device=compute_device())
         if par.pp_size > 1:
             # PP group: the last stage holds the outputs; every stage returns them.
             dist.broadcast(result, src=par.last_stage_rank, group=par.pp_group)
-        return result
+        return result.cpu()
 
     def _objects_from_last_stage(self, objects: list) -> list:
         par = self.parallel

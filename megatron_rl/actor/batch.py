@@ -66,7 +66,7 @@ def segment_ids(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     Padding after the last sequence gets index K (its own segment).
     """
     ends = seq_lens.cumsum(dim=1)  # [B, K] exclusive end of each sequence
-    pos = torch.arange(seq_len).expand(seq_lens.shape[0], seq_len)
+    pos = torch.arange(seq_len, device=seq_lens.device).expand(seq_lens.shape[0], seq_len)
     return torch.searchsorted(ends.contiguous(), pos.contiguous(), right=True)
 
 
@@ -76,7 +76,7 @@ def position_ids_of(batch: dict) -> torch.Tensor:
     if "position_ids" in batch:
         return batch["position_ids"].to(torch.int64)
     num_rows, seq_len = tokens.shape
-    pos = torch.arange(seq_len).expand(num_rows, seq_len)
+    pos = torch.arange(seq_len, device=tokens.device).expand(num_rows, seq_len)
     if "seq_lens" not in batch:
         return pos.contiguous()
     seq_lens = batch["seq_lens"]
@@ -92,7 +92,7 @@ def attention_mask_of(batch: dict) -> torch.Tensor | None:
         return None
     seq_len = batch["tokens"].shape[1]
     seg = segment_ids(batch["seq_lens"], seq_len)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=seg.device).tril()
     same = seg[:, :, None] == seg[:, None, :]
     return ~(same & causal)[:, None]
 

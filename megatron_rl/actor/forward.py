@@ -13,6 +13,13 @@ from megatron_rl.actor.logprobs import vocab_parallel_logprobs_and_entropy
 from megatron_rl.models.rope import rope_angles
 
 
+def compute_device() -> torch.device:
+    """Where the model lives: the current CUDA device, else the CPU (batches arrive on the CPU)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(model, "module"):
@@ -71,8 +78,11 @@ def make_forward_step(inv_freq: torch.Tensor, tp_group, loss_fn: LossFn | None,
     logprobs / entropy; otherwise it carries the loss_fn metrics and the loss itself.
     """
 
+    device = compute_device()
+
     def forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
-        micro_batch = next(data_iterator)
+        micro_batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                       for k, v in next(data_iterator).items()}
         output = gpt_forward(model, micro_batch["tokens"], position_ids_of(micro_batch),
                              attention_mask_of(micro_batch), inv_freq)
         return output, partial(_loss_func, micro_batch, tp_group, loss_fn, with_entropy)
@@ -94,5 +104,5 @@ def _loss_func(micro_batch: dict, tp_group, loss_fn: LossFn | None, with_entropy
     loss, metrics = loss_fn(logprobs, entropy, micro_batch)
     if loss.dim() != 0:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
-    metrics = {key: value.detach() for key, value in metrics.items()}
-    return loss, num_tokens, {"loss": loss.detach().clone(), "metrics": metrics}
+    metrics = {key: value.detach().cpu() for key, value in metrics.items()}
+    return loss, num_tokens, {"loss": loss.detach().cpu(), "metrics": metrics}
