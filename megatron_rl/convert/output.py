@@ -38,6 +38,7 @@ def atomic_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _fsync_tree(tmp)  # data on disk before the rename makes the folder look complete
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
@@ -45,6 +46,16 @@ def atomic_output_dir(out_dir: str | Path, overwrite: bool = False) -> Iterator[
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then the folders (cheap for files already synced)."""
+    for path in [*sorted(folder.rglob("*"), key=lambda p: -len(p.parts)), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def side_files(src_dir: str | Path) -> list[Path]:
