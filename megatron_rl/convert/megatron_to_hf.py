@@ -47,11 +47,14 @@ def find_hf_config(dist_dir: Path, hf_config_dir: str | Path | None) -> tuple[di
 
 
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+# Parameter spellings; buffers (FP8 delayed-scaling `fp8_state.*`, ...) are not weights to export.
+PARAMETER_SUFFIXES = (".weight", ".bias", ".layer_norm_weight", ".layer_norm_bias")
 
 
 def _check_no_unknown_parameters(keys: dict, used: set[str], dist_dir: Path) -> None:
     """Model parameters the config does not describe mean the wrong config (e.g. a bias dropped)."""
-    unknown = sorted(k for k in keys if k.startswith(MODEL_KEY_PREFIXES) and k not in used)
+    unknown = sorted(k for k in keys if k.startswith(MODEL_KEY_PREFIXES)
+                     and k.endswith(PARAMETER_SUFFIXES) and k not in used)
     if unknown:
         raise ValueError(f"{dist_dir} holds parameters the HF config does not describe: {unknown[:5]} "
                          "(wrong --hf-config-dir?)")
@@ -126,7 +129,7 @@ def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *,
         copied = copy_side_files(side_dir, tmp, skip=("config.json",)) if side_dir else []
     used = {key for key, _ in located.values()}
     summary.details.update({"checkpoint": str(dist_dir), "architecture": spec.hf_architecture,
-                            "ignored": f"{len(keys) - len(used)} tensor key(s) (optimizer state, ...), "
+                            "ignored": f"{len(keys) - len(used)} tensor key(s) (optimizer, FP8 state, ...), "
                                        f"{reader.num_objects} object(s) (extra state, ...)",
                             "side files": ", ".join(copied) or "none (no tokenizer found)",
                             "files": len(set(writer.weight_map.values()))})

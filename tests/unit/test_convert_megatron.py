@@ -170,6 +170,22 @@ def test_trainer_checkpoint_to_hf(qwen3_dir, single_parallel, tmp_path):
     assert not summary.details["ignored"].startswith("0 ")  # the optimizer state was skipped
 
 
+def test_fp8_trainer_checkpoint_to_hf(qwen2_dir, single_parallel, tmp_path):
+    """FP8 delayed-scaling state saved next to the weights (fp8_state buffers) is skipped."""
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.fp8.recipe import Fp8Recipe
+
+    recipe = Fp8Recipe.from_contract("delayed", "hybrid")
+    actor = MegatronActor.build(qwen2_dir, parallel=single_parallel, fp8_recipe=recipe)
+    (tmp_path / "model").mkdir()
+    actor.save_checkpoint(tmp_path / "model")
+    keys = FileSystemReader(tmp_path / "model").read_metadata().state_dict_metadata
+    assert any(".fp8_state." in key for key in keys)
+    convert_megatron_to_hf(tmp_path / "model", tmp_path / "hf", hf_config_dir=qwen2_dir, progress=False)
+    back = hf_tensors(tmp_path / "hf")
+    assert all(torch.equal(back[k], v) for k, v in hf_tensors(qwen2_dir).items())
+
+
 def test_checkpoint_carries_hf_config_and_tp_pp(llama_dir, tmp_path):
     convert_hf_to_megatron(llama_dir, tmp_path / "mcore", tp=2, progress=False)
     common = torch.load(tmp_path / "mcore" / "common.pt", weights_only=True)
