@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from itertools import groupby
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -71,6 +72,14 @@ def _hf_entries(tensors: list[layout.StoredTensor], spec: ModelSpec,
     return entries
 
 
+def _read_full(reader: TorchDistReader, group: list[layout.StoredTensor],
+               located: dict[str, tuple[str, layout.Box]]) -> Iterator[tuple[layout.StoredTensor, torch.Tensor]]:
+    """(tensor, full Megatron tensor) for a group of tensors read with one DCP call."""
+    loaded = reader.read({located[t.megatron_name][0]: located[t.megatron_name][1] for t in group})
+    for tensor in group:
+        yield tensor, loaded.pop(located[tensor.megatron_name][0]).reshape(tensor.full_shape)
+
+
 def _hf_config_out(config: dict, spec: ModelSpec, dtypes: set[torch.dtype]) -> dict:
     out = dict(config)
     out["architectures"] = [spec.hf_architecture]
@@ -113,11 +122,8 @@ def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, *,
     total = sum(e.nbytes for e in entries)
     with atomic_output_dir(out_dir, overwrite) as tmp, progress_bar(total, "megatron->hf", progress) as bar, \
             ShardedSafetensorsWriter(tmp, entries, max_shard_bytes) as writer:
-        for _, group in groupby(tensors, key=lambda t: t.layer):
-            group = list(group)
-            loaded = reader.read({located[t.megatron_name][0]: located[t.megatron_name][1] for t in group})
-            for tensor in group:
-                full = loaded.pop(located[tensor.megatron_name][0]).reshape(tensor.full_shape)
+        for _, group in groupby(tensors, key=lambda t: t.layer):  # one read per layer
+            for tensor, full in _read_full(reader, list(group), located):
                 summary.bytes_read += full.numel() * full.element_size()
                 for hf_name, piece in name_map.megatron_to_hf(tensor.megatron_name, full, spec):
                     writer.write(hf_name, piece.to(dtypes[tensor.megatron_name]).contiguous())

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.convert import hf_to_megatron, torch_dist_io
+from megatron_rl.convert import torch_dist_io
 from megatron_rl.convert.hf_to_fp8 import convert_hf_to_fp8
 from megatron_rl.convert.hf_to_megatron import convert_hf_to_megatron
 from megatron_rl.convert.megatron_to_hf import convert_megatron_to_hf
@@ -143,7 +143,6 @@ def test_failure_leaves_no_complete_looking_folder(qwen2_dir, tmp_path, monkeypa
         convert_hf_to_megatron(qwen2_dir, tmp_path / "old", overwrite=True, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
     assert (tmp_path / "old" / "metadata.json").read_text() == "{}"
-    assert hf_to_megatron.HF_SUBDIR == "hf"
 
 
 @pytest.mark.parametrize("tool", TOOLS)
