@@ -161,6 +161,8 @@ def test_trainer_checkpoint_to_hf(qwen3_dir, single_parallel, tmp_path):
     (root / "step_000003" / "model").mkdir(parents=True)
     actor.save_checkpoint(root / "step_000003" / "model")
     (root / "latest").write_text("3")
+    with pytest.raises(ValueError, match="pass --hf-config-dir"):  # the trainer records no HF config
+        convert_megatron_to_hf(root, tmp_path / "hf", progress=False)
     summary = convert_megatron_to_hf(root, tmp_path / "hf", hf_config_dir=qwen3_dir, progress=False)
     back, exported = hf_tensors(tmp_path / "hf"), dict(actor.export_hf_weights())
     assert sorted(back) == sorted(exported)
@@ -184,6 +186,25 @@ def test_fp8_trainer_checkpoint_to_hf(qwen2_dir, single_parallel, tmp_path):
     convert_megatron_to_hf(tmp_path / "model", tmp_path / "hf", hf_config_dir=qwen2_dir, progress=False)
     back = hf_tensors(tmp_path / "hf")
     assert all(torch.equal(back[k], v) for k, v in hf_tensors(qwen2_dir).items())
+
+
+def test_per_layer_keys_checkpoint_to_hf(llama_dir, single_parallel, tmp_path):
+    """Megatron's non-homogeneous spelling (`decoder.layers.{i}.X`, no layer axis) reads too."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.forward import unwrap_model
+
+    actor = MegatronActor.build(llama_dir, parallel=single_parallel)
+    model = unwrap_model(actor.model[0])
+    sharded = model.sharded_state_dict(prefix="", metadata={"non_homogeneous_layers": True})
+    (tmp_path / "model").mkdir()
+    dist_checkpointing.save({"model": sharded}, str(tmp_path / "model"))
+    keys = FileSystemReader(tmp_path / "model").read_metadata().state_dict_metadata
+    assert "decoder.layers.1.mlp.linear_fc2.weight" in keys
+    convert_megatron_to_hf(tmp_path / "model", tmp_path / "hf", hf_config_dir=llama_dir, progress=False)
+    back = hf_tensors(tmp_path / "hf")
+    assert all(torch.equal(back[k], v) for k, v in hf_tensors(llama_dir).items())
 
 
 def test_checkpoint_carries_hf_config_and_tp_pp(llama_dir, tmp_path):
