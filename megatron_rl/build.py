@@ -173,7 +173,6 @@ def build_run(cfg: RunConfig) -> Run:
     t = cfg.train
     actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
                                 weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed)
-    actor.load_hf(model_dir)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
     sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
