@@ -12,9 +12,21 @@ DEFAULT_PANELS = (
 )
 
 
+def moving_average(values, window: int) -> list[float]:
+    """Trailing mean over `window` points (shorter at the start): the trend under per-step noise."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_runs(runs: dict[str, list[dict]], out_png: str | Path,
               panels: tuple[tuple[str, str], ...] = DEFAULT_PANELS, title: str = "") -> Path:
-    """One panel per metric, one line per run. `runs` maps a label to its JSONL records."""
+    """One panel per metric, one run per color: raw values faint, their moving average bold.
+    `runs` maps a label to its JSONL records."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,11 +35,17 @@ def plot_runs(runs: dict[str, list[dict]], out_png: str | Path,
     cols = 2
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.2 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, label) in zip(axes.flat, panels):
-        for name, records in runs.items():
+        for i, (name, records) in enumerate(runs.items()):
             pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), label=name, linewidth=1.4)
+            if not pts:
+                continue
+            steps, values = zip(*pts)
+            color = colors[i % len(colors)]
+            ax.plot(steps, values, color=color, linewidth=0.8, alpha=0.35)
+            ax.plot(steps, moving_average(values, max(1, len(values) // 10)), color=color,
+                    linewidth=1.8, label=name)
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -36,3 +36,10 @@ def test_plot_writes_png(tmp_path):
     runs = {"a": [{"step": s, "reward/mean": s / 10} for s in range(5)], "b": []}
     out = plot_runs(runs, tmp_path / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_moving_average_by_hand():
+    from megatron_rl.plotting import moving_average
+
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([2.0], 5) == [2.0]
