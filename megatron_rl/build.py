@@ -172,12 +172,15 @@ def build_run(cfg: RunConfig) -> Run:
     loader = build_data(cfg, tokenizer, parallel)
     t = cfg.train
     actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
-                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed)
+                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed,
+                                load_weights=not cfg.model.megatron_ckpt)
+    if cfg.model.megatron_ckpt:
+        actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
     sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
-    checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints")
+    checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
     logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
                            total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0)

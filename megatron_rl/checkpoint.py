@@ -7,6 +7,7 @@ Layout::
       step_000010/
         model/                  # megatron.core.dist_checkpointing (torch_dist), any TP/PP
         rl_state_rank0.pt       # step, data position, RNG states, clip controller, sync version
+        hf/                     # config.json + tokenizer: tools/convert_megatron_to_hf.py needs no flags
         ...
 
 A step folder is written as `step_000010.tmp` and renamed only when every rank has finished, so
@@ -44,9 +45,22 @@ def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
 class Checkpointer:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, hf_dir: str | Path | None = None) -> None:
         self.root = Path(root)
+        self.hf_dir = Path(hf_dir) if hf_dir else None
+
+    def _copy_hf_files(self, folder: Path) -> None:
+        if self.hf_dir is None:
+            return
+        (folder / "hf").mkdir()
+        for name in HF_FILES:
+            if (self.hf_dir / name).is_file():
+                shutil.copy2(self.hf_dir / name, folder / "hf" / name)
 
     def latest_step(self) -> int:
         marker = self.root / "latest"
@@ -67,6 +81,7 @@ class Checkpointer:
         torch.save(self._rl_state(run, step), tmp / f"rl_state_rank{rank}.pt")
         _barrier()
         if rank == 0:
+            self._copy_hf_files(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             marker_tmp = self.root / "latest.tmp"

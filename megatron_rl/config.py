@@ -22,6 +22,9 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 class ModelConfig:
     hf_dir: str = ""
     """HF checkpoint folder (config.json + safetensors). Empty: build the tiny built-in model below."""
+    megatron_ckpt: str = ""
+    """Optional torch_dist folder (tools/convert_hf_to_megatron.py) to take the weights from instead
+    of hf_dir's safetensors; hf_dir still gives the config and tokenizer. The optimizer starts fresh."""
     tiny_arch: str = "qwen2"
     """Architecture of the tiny built-in model (llama | qwen2 | qwen3), used when hf_dir is empty."""
     tiny_hidden_size: int = 128

@@ -234,16 +234,32 @@ class MegatronActor:
 
         dist_checkpointing.save(self.sharded_state_dict(), str(ckpt_dir))
 
-    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
-        """Restore model + optimizer from `save_checkpoint` (any TP/PP layout Megatron can reshard)."""
+    def load_checkpoint(self, ckpt_dir: str | Path, *, model_only: bool = False) -> None:
+        """Restore model + optimizer from `save_checkpoint` (any TP/PP layout Megatron can reshard).
+
+        model_only=True loads the weights alone (the optimizer starts fresh), e.g. from
+        tools/convert_hf_to_megatron.py. FP8 delayed-scaling buffers (`fp8_state`) and module extra
+        state missing from such a checkpoint start fresh; any other missing tensor is a ValueError
+        naming it.
+        """
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
         if not Path(ckpt_dir).is_dir():
             raise ValueError(f"checkpoint folder not found: {ckpt_dir}")
-        state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir))
-        unwrap_model(self.model[0]).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
+        if not model_only:
+            state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir))
+            unwrap_model(self.model[0]).load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        wanted = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
+        stored = load_sharded_metadata(str(ckpt_dir))
+        missing = [k for k, v in wanted.items() if getattr(v, "key", k) not in stored]
+        fatal = [k for k in missing if ".fp8_state." not in k and not k.endswith("._extra_state")]
+        if fatal:
+            raise ValueError(f"checkpoint {ckpt_dir} lacks {len(fatal)} model tensors, first: {fatal[:3]}")
+        state = dist_checkpointing.load({k: v for k, v in wanted.items() if k not in missing}, str(ckpt_dir))
+        unwrap_model(self.model[0]).load_state_dict(state, strict=not missing)
 
 def _layer_offset(config, parallel: ParallelInfo) -> int:
     """Global index of this stage's first layer (layers split evenly over PP stages)."""

@@ -4,20 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl.fp8.te_recipe import te_available
 from megatron_rl.models.hf_config import ModelSpec
-
-
-def te_available() -> bool:
-    """True when Transformer Engine imports and CUDA is present (the only place we probe TE here)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def build_layer_spec(spec: ModelSpec, *, fp8_recipe: Any = None, use_te: bool | None = None):

@@ -408,7 +408,7 @@ class TorchRolloutEngine(RolloutEngine):
         for t in self._unique_held():
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         for module in self._quantized.values():
-            module._dequantized = None  # W8A8Linear's cached float32 weight: free it with the storage
+            module.clear_cache()  # W8A8Linear's cached dequantized weight: free it with the storage
         self._released = True
 
     def resume_memory(self) -> None:

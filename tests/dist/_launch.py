@@ -56,7 +56,7 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, args, queue), daemon=True)
+    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, args, queue), daemon=False)
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
