@@ -23,4 +23,5 @@ def test_recipe_variants(recipe):
         assert cfg.train.lr == 1e-6 and cfg.algo.use_tis and cfg.algo.tis_clip == 2.0 and cfg.calib.period == 20
         assert cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt == 256
         assert cfg.rollout.engine == "sglang"
+        assert cfg.rollout.sglang.weight_transport in ("tensor", "nccl", "disk")
     assert cfgs["bf16"].algo.eps_clip_high == (0.28 if "dapo" in recipe else 0.2)
