@@ -48,7 +48,12 @@ def prepare_tiny_model(cfg, cache_root: str | Path) -> Path:
         sft_warm_start(model, tokenizer, cfg)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out)  # atomic: a half-built folder never looks complete
+    try:
+        os.replace(tmp, out)  # atomic: a half-built folder never looks complete
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)  # a concurrent run published the same (deterministic) model first
     return out
 
 
