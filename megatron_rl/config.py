@@ -103,7 +103,7 @@ class CalibConfig:
     """EMA weight of a new calibration (1.0 = take it as is)."""
     mode: str = "two_sided"
     """two_sided (L by quantile matching, H rebalanced) | lower_only (the one-sided ablation)."""
-    num_bins: int = 4096
+    num_bins: int = 2048
     """Histogram resolution over log r (the all-reduce payload does not grow with tokens)."""
     diagnose: bool = False
     """Run the BF16 shadow every `period` steps for telemetry (false-clip rate, log-ratio std)
