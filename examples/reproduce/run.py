@@ -62,13 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     extra = list(args.overrides) + ([f"train.num_steps={args.steps}"] if args.steps else [])
     jobs = [(v, s) for s in args.seeds for v in args.variants]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(pool.map(lambda job: run_one(*job, Path(args.runs_dir), extra), jobs))
+    with ThreadPoolExecutor(args.jobs) as pool:  # a failed run does not cancel the others
+        futures = [pool.submit(run_one, v, s, Path(args.runs_dir), extra) for v, s in jobs]
+    done, failed = [], []
+    for (v, s), fut in zip(jobs, futures):
+        (failed if fut.exception() else done).append((v, s, fut))
+    for v, s, fut in failed:
+        print(f"FAILED: {fut.exception()}", file=sys.stderr)
+    if not done:
+        return 1
     from megatron_rl.report import load_runs, write_report
 
-    runs = load_runs(dirs, [f"{v} s{s}" for v, s in jobs])
+    runs = load_runs([f.result() for _, _, f in done], [f"{v} s{s}" for v, s, _ in done])
     print(write_report(runs, args.out, "Precision study: BF16 vs FP8 vs FP8 + Calibrated Clipping"))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
