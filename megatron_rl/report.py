@@ -35,7 +35,7 @@ TABLE = (
     ("shadow: FP8 clip low A<0", "shadow/clip_low_neg_fp8", "all"),
     ("shadow: BF16 clip low A<0", "shadow/clip_low_neg_bf16", "all"),
     ("shadow: false clip A<0", "shadow/false_clip_low_neg", "all"),
-    ("mismatch exp|dlogp|", "mismatch/token_mult_prob_error", "all"),
+    ("mismatch mean exp(abs dlogp)", "mismatch/token_mult_prob_error", "all"),
     ("L mean", "calib/low", "all"),
     ("H mean", "calib/high", "all"),
 )

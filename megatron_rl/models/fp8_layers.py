@@ -38,6 +38,10 @@ class _Fp8ParallelLinearMixin:
 
     fp8_parallel_mode: str
 
+    def __init__(self, *args, fp8_recipe: Fp8Recipe, **kwargs):
+        super().__init__(*args, **kwargs)  # the Megatron parallel linear next in the MRO
+        self._init_fp8(fp8_recipe)
+
     def _init_fp8(self, fp8_recipe: Fp8Recipe) -> None:
         if not isinstance(fp8_recipe, Fp8Recipe):
             raise ValueError(f"fp8_recipe={fp8_recipe!r} is not an Fp8Recipe")
@@ -71,10 +75,6 @@ class Fp8ColumnParallelLinear(_Fp8ParallelLinearMixin, ColumnParallelLinear):
 
     fp8_parallel_mode = "column"
 
-    def __init__(self, *args, fp8_recipe: Fp8Recipe, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_fp8(fp8_recipe)
-
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not self._fp8_active():
             return super()._forward_impl(input, weight, *args, **kwargs)
@@ -91,10 +91,6 @@ class Fp8RowParallelLinear(_Fp8ParallelLinearMixin, RowParallelLinear):
     """RowParallelLinear (weight [out, in/tp]) with emulated FP8 GEMMs."""
 
     fp8_parallel_mode = "row"
-
-    def __init__(self, *args, fp8_recipe: Fp8Recipe, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_fp8(fp8_recipe)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not self._fp8_active():
