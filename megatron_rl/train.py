@@ -24,19 +24,26 @@ def run(cfg: RunConfig) -> dict[str, float]:
     start = run_.resume_step()
     run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
     metrics: dict[str, float] = {}
-    for step in range(start, cfg.train.num_steps):
-        t0 = time.perf_counter()
-        prompts = run_.loader.next_batch()
-        rollout = rl_step.generate(run_, prompts, step)
-        metrics = dict(rollout.metrics)
-        batch = rl_step.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
-        if batch is not None:
-            metrics.update(rl_step.update_policy(run_, batch, step))
-            metrics.update(run_.sync.sync())
-        metrics["time/step"] = time.perf_counter() - t0
-        run_.logger.log(step, metrics)
-        run_.maybe_save(step)
-    run_.finish()
+    try:  # finish() also stops engine servers and the reward worker when a step raises
+        for step in range(start, cfg.train.num_steps):
+            metrics = _step(run_, step)
+            run_.logger.log(step, metrics)
+            run_.maybe_save(step)
+    finally:
+        run_.finish()
+    return metrics
+
+
+def _step(run_: build.Run, step: int) -> dict[str, float]:
+    """One RL step; returns its metrics (a skipped step logs why and changes nothing)."""
+    t0 = time.perf_counter()
+    rollout = rl_step.generate(run_, run_.loader.next_batch(), step)
+    metrics = dict(rollout.metrics)
+    batch = rl_step.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
+    if batch is not None:
+        metrics.update(rl_step.update_policy(run_, batch, step))
+        metrics.update(run_.sync.sync())
+    metrics["time/step"] = time.perf_counter() - t0
     return metrics
 
 
