@@ -55,7 +55,8 @@ def _solve_high(hist: RatioHistogram, log_low: float) -> tuple[float | None, str
         return None, "kept", _ratio(pos16, neg16)
     p16 = pos16 / neg16
     neg8 = mass_at_or_above(hist.histogram("neg_weight"), log_low, hist.lower_edge, hist.bin_width)
-    log_high = invert_cumulative(hist.histogram("pos_weight"), p16 * neg8, hist.lower_edge, hist.bin_width)
+    log_high = invert_cumulative(hist.histogram("pos_weight"), p16 * neg8, hist.lower_edge, hist.bin_width,
+                                 prefer=math.log1p(hist.eps_high))
     if log_high is None:
         return math.inf, "unbounded", p16
     return math.exp(log_high), "solved", p16
@@ -107,7 +108,8 @@ def solve_bounds(hist: RatioHistogram, solve_high: bool = True) -> Calibration:
     if reason:
         return Calibration(None, None, reason, "kept", metrics)
     alpha_count = hist.scalar("neg_clip_ref")
-    log_low = invert_cumulative(hist.histogram("neg_count"), alpha_count, hist.lower_edge, hist.bin_width)
+    log_low = invert_cumulative(hist.histogram("neg_count"), alpha_count, hist.lower_edge, hist.bin_width,
+                                prefer=math.log1p(-hist.eps_low))
     assert log_low is not None, "the alpha-quantile target never exceeds the A < 0 count"
     low = math.exp(log_low)
     high, high_status = None, "fixed"

@@ -148,26 +148,40 @@ class RatioHistogram:
         return self.payload.numel() * self.payload.element_size()
 
 
-def invert_cumulative(hist: torch.Tensor, target: float, lower_edge: float, bin_width: float) -> float | None:
-    """Smallest log r at which the cumulative of `hist` reaches `target`, uniform within each bin.
+def invert_cumulative(hist: torch.Tensor, target: float, lower_edge: float, bin_width: float,
+                      prefer: float | None = None) -> float | None:
+    """A log r at which the cumulative of `hist` reaches `target`, uniform within each bin.
 
-    target <= 0 gives the lower edge of the first non-empty bin (nothing lies below it); a target
-    above the total gives None (not attainable). The answer lies in the bin where the crossing
-    happens, so it is within one bin width of the exact order statistic.
+    Without `prefer`: the smallest such log r. target <= 0 gives the lower edge of the first
+    non-empty bin (nothing lies below it); a target above the total gives None (not attainable).
+    The answer lies in the bin where the crossing happens, within one bin width of the exact
+    order statistic.
+
+    With `prefer` (a log r, e.g. the BF16 bound): the cumulative is flat across empty bins, so
+    when `target` is reached exactly at a bin end, every point up to the next non-empty bin is an
+    equally exact solution (empirical quantiles are intervals between order statistics). Return
+    the one closest to `prefer`: when FP8 and BF16 clip the same tokens the bound stays at the
+    BF16 value instead of jumping to the edge of a gap in a sparse tail.
     """
+    nonempty = torch.nonzero(hist > 0).flatten()
+    if target <= 0.0:
+        first = lower_edge + (int(nonempty[0]) if nonempty.numel() else 0) * bin_width
+        return first if prefer is None else min(prefer, first)
     cum = hist.cumsum(0)
     total = float(cum[-1])
-    if target <= 0.0:
-        nonempty = torch.nonzero(hist > 0)
-        first = int(nonempty[0]) if nonempty.numel() else 0
-        return lower_edge + first * bin_width
     # Relative slack for float64 round-off of a weighted cumsum against a target built from sums.
-    if target > total * (1.0 + 1e-12):
+    slack = 1e-12 * max(abs(total), 1.0)
+    if target > total + slack:
         return None
     i = min(int(torch.searchsorted(cum, torch.tensor([min(target, total)], dtype=cum.dtype))), hist.numel() - 1)
     before = float(cum[i - 1]) if i > 0 else 0.0
     frac = min(max((target - before) / float(hist[i]), 0.0), 1.0)
-    return lower_edge + (i + frac) * bin_width
+    smallest = lower_edge + (i + frac) * bin_width
+    if prefer is None or prefer <= smallest or float(cum[i]) > target + slack:  # crossed inside bin i
+        return smallest
+    later = nonempty[nonempty > i]
+    flat_end = lower_edge + int(later[0]) * bin_width if later.numel() else math.inf
+    return min(prefer, flat_end)
 
 
 def mass_at_or_above(hist: torch.Tensor, log_value: float, lower_edge: float, bin_width: float) -> float:

@@ -74,7 +74,8 @@ def test_identical_ratios_give_the_uncalibrated_bounds_within_a_bin(eps_high):
 
 
 def test_small_case_by_hand():
-    # A<0: r16 = 0.5, 0.7, 0.9, 1.0 -> alpha = 2/4; r8 = 0.6, 0.65, 0.75, 0.95 -> L in (0.65, 0.75]
+    # A<0: r16 = 0.5, 0.7, 0.9, 1.0 -> alpha = 2/4; r8 = 0.6, 0.65, 0.75, 0.95 -> any L in
+    # (0.65, 0.75] clips exactly two; the one closest to 1 - eps = 0.8 is 0.75 (its bin's lower edge)
     # p16 = (1.0 + 1.1) / (0.9 + 1.0); neg8(L) = 0.75 + 0.95; target = 1.8789...
     # A>0 r8 = 0.9, 1.05, 1.4: cumulative |A| r8 = 0.9, 1.95, 3.35 -> H = 1.05 (within its bin)
     r16 = torch.tensor([[0.5, 0.7, 0.9, 1.0, 1.0, 1.1, 1.5]])
@@ -82,8 +83,23 @@ def test_small_case_by_hand():
     adv = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 1.0, 1.0, 1.0]])
     low, high = calibrate_bounds(r8, r16, adv, torch.ones_like(adv), 0.2, 0.2, num_bins=4000)
     width = 4.0 / 4000
-    assert 0.65 < low <= 0.65 * math.exp(width) + 1e-12
+    assert 0.75 * math.exp(-width) <= low <= 0.75
     assert 1.05 * math.exp(-width) <= high <= 1.05 * math.exp(width)
+
+
+def test_bounds_stay_at_bf16_values_when_the_quantile_interval_contains_them():
+    # BF16 clips no A<0 token and no FP8 ratio is below 0.8: L stays 0.8 (any L <= 0.85 is exact).
+    # FP8 swaps the two A<0 ratios (same kept mass, bit for bit); A>0 ratios agree and are all
+    # below 1.2, so the balance needs all of the A>0 mass: any H >= 1.1 is exact and H stays 1.2.
+    r16 = torch.tensor([[0.85, 1.0, 1.1, 0.9, 1.1]])
+    r8 = torch.tensor([[1.0, 0.85, 1.1, 0.9, 1.1]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0, 1.0, 1.0]])
+    low, high = calibrate_bounds(r8, r16, adv, torch.ones_like(adv), 0.2, 0.2, num_bins=4000)
+    assert low == pytest.approx(0.8, rel=1e-12) and high == pytest.approx(1.2, rel=1e-12)
+    # the FP8 minimum below 0.8: L must sit at or under it so that still nothing is clipped
+    r8[0, 0] = 0.7
+    low, _ = calibrate_bounds(r8, r16, adv, torch.ones_like(adv), 0.2, 0.2, num_bins=4000)
+    assert 0.7 * math.exp(-4.0 / 4000) <= low <= 0.7
 
 
 def test_unattainable_balance_means_no_upper_clip():
