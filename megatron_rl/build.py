@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl import collectives
 from megatron_rl.config import RunConfig, save_config
 
 log = logging.getLogger("megatron_rl.build")
@@ -83,8 +84,7 @@ def build_model_dir(cfg: RunConfig, parallel) -> Path:
     cache = Path(cfg.log.dir).parent / ".tiny_models"
     if parallel.rank == 0:
         prepare_tiny_model(cfg, cache)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    collectives.barrier(None)  # the other ranks read what rank 0 wrote
     return prepare_tiny_model(cfg, cache)
 
 

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl import collectives
+
 log = logging.getLogger("megatron_rl.checkpoint")
 
 
 def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    collectives.barrier(None)  # every rank of the world (a no-op without torch.distributed)
 
 
 def _rng_state() -> dict:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl import collectives
 from megatron_rl.rl_batch import Batch, collate, mini_batches
 
 log = logging.getLogger("megatron_rl.rl_step")
@@ -111,12 +112,8 @@ def _broadcast_from_engine_rank(samples, parallel):
     """Samples from the first rank of the model-parallel group to the group's other ranks."""
     if parallel.tp_size * parallel.pp_size == 1:
         return samples
-    import torch.distributed as dist
-
     group = parallel.mp_group  # TP x PP ranks of this data-parallel replica
-    payload = [samples]
-    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
-    return payload[0]
+    return collectives.broadcast_object(samples, collectives.global_rank(group, 0), group)
 
 
 def pad_rows(batch: Batch, multiple: int) -> tuple[Batch, int]:

@@ -10,6 +10,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_rl import collectives
+
 
 @dataclass
 class ParallelInfo:
@@ -49,12 +51,10 @@ class ParallelInfo:
     def dp_reducer(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`reduce(t) -> t`: in-place SUM all-reduce over the data-parallel group (for metrics and
         the calibrated-clipping histograms, which need the global counts)."""
-        group, size = self.dp_group, self.dp_size
+        group = self.dp_group
 
         def reduce(tensor: torch.Tensor) -> torch.Tensor:
-            if size > 1:
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-            return tensor
+            return collectives.all_reduce(tensor, group)  # on the group's device, result back here
 
         return reduce
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from megatron_rl import collectives
 from megatron_rl.rollout import _sglang
 from megatron_rl.rollout.sglang_payload import (LOAD_FORMAT, distributed_spec, flatten_bucket,
                                                 serialize_flattened)
@@ -102,12 +103,8 @@ class SGLangTensorTransport:
 def gloo_gather(group, src: int):
     """gather(payload) for SGLangTensorTransport: every rank of `group` (the GPUs of one server, a
     gloo group) calls it; the src rank gets the list in group-rank order, the others None."""
-    import torch.distributed as dist
-
     def gather(payload: str):
-        out = [None] * dist.get_world_size(group) if dist.get_rank() == src else None
-        dist.gather_object(payload, out, dst=src, group=group)
-        return out
+        return collectives.gather_objects(payload, src, group)
 
     return gather
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_rl import collectives
 from megatron_rl.sync.buckets import NamedTensor, iter_buckets, tensor_bytes
 from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.sync.transport import WeightTransport, tensor_digest
@@ -94,17 +95,15 @@ def _pp_relay(local_buckets, par) -> Iterator[list[NamedTensor]]:
     broadcasts its buckets one by one, then a None sentinel. Ranks with tp_rank != 0 still build
     their buckets (the TP all-gathers need every TP rank) but take no part in the relay.
     """
-    import torch.distributed as dist
-
     group, ranks = par.pp_group, par.pp_group_ranks
     for stage in range(par.pp_size):
         mine = stage == par.pp_rank
         source = local_buckets() if mine else None
         while True:
-            payload = [next(source, None)] if mine else [None]
-            if par.tp_rank == 0:
-                dist.broadcast_object_list(payload, src=ranks[stage], group=group)
-            if payload[0] is None:
+            payload = next(source, None) if mine else None
+            if par.tp_rank == 0:  # the relay runs among the TP-rank-0 ranks of the pipeline
+                payload = collectives.broadcast_object(payload, ranks[stage], group)
+            if payload is None:
                 break
             if par.pp_rank == 0 and par.tp_rank == 0:
-                yield payload[0]
+                yield payload

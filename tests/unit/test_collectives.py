@@ -1,0 +1,47 @@
+"""The loop, sync, checkpoint and build modules reach torch.distributed only through megatron_rl.collectives."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "megatron_rl"
+# Host-side code: metrics, histograms, rewards, samples and barriers go through the helper, which
+# puts each tensor on the device the group's backend needs. (actor/, models/ and fp8/ keep their
+# device-side model collectives.)
+HOST_SIDE = ["train.py", "rl_step.py", "rl_batch.py", "build.py", "checkpoint.py", "telemetry.py",
+             "launch.py", "sync", "rollout", "rewards", "data"]
+# The NCCL weight-update group shared with the SGLang servers is a device-side transfer of weights.
+ALLOWED = {"sglang_transport.py": {"torch.distributed.destroy_process_group", "torch.distributed.broadcast",
+                                   "torch.distributed.distributed_c10d"}}
+
+
+def _host_files():
+    for entry in HOST_SIDE:
+        path = PKG / entry
+        yield from (sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.exists() else [])
+
+
+def _direct_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("torch.distributed")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found.append(node.module)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            if node.value.attr == "distributed" and getattr(node.value.value, "id", "") == "torch":
+                found.append(f"torch.distributed.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("path", list(_host_files()), ids=lambda p: str(p.relative_to(PKG)))
+def test_host_side_modules_use_the_collectives_helper(path):
+    assert set(_direct_uses(path)) <= ALLOWED.get(path.name, set()), f"{path.name} calls torch.distributed directly: use megatron_rl.collectives"
+
+
+def test_the_check_sees_a_direct_call(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch.distributed as dist\nimport torch\ntorch.distributed.barrier()\n")
+    assert _direct_uses(bad) == ["torch.distributed", "torch.distributed.barrier"]
