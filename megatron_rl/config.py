@@ -38,13 +38,39 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    """Data-parallel size is world_size / (tp * pp)."""
+    """Data-parallel size is world_size / (tp * pp * cp)."""
+    context_parallel_size: int = 1
+    """Context parallel (sequence split across ranks for attention); 1 = off."""
+    sequence_parallel: bool | None = None
+    """true | false | null (auto). Megatron sequence parallel (norms, dropout and the residual stream split
+    along the sequence over the TP group). null: on whenever TP > 1 on a GPU, off on CPU."""
+    use_distributed_optimizer: bool | None = None
+    """true | false | null (auto). Megatron's distributed optimizer (optimizer state and FP32 main
+    parameters sharded over DP, as ZeRO-1). null: on when the trainer runs on GPUs."""
+    overlap_grad_reduce: bool | None = None
+    """true | false | null (auto). Overlap the DP gradient reduce-scatter with backward. null: on on GPUs."""
+    overlap_param_gather: bool | None = None
+    """true | false | null (auto). Overlap the distributed optimizer's parameter all-gather with the next
+    forward. null: on on GPUs (needs use_distributed_optimizer)."""
+    recompute_granularity: str = "none"
+    """none | selective (attention core only) | full (whole layers; see recompute_method)."""
+    recompute_method: str = "uniform"
+    """uniform | block: how full recompute picks layers (Megatron's --recompute-method)."""
+    recompute_num_layers: int = 1
+    """Full recompute: layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
+    transformer_impl: str = "auto"
+    """auto | transformer_engine | local. auto: Transformer Engine's layer spec on CUDA (required;
+    an import failure is an error, not a silent fallback), the local spec with emulated FP8 on CPU."""
 
 
 @dataclass
 class PrecisionConfig:
     """The precision contract (design.md section 3): read by the trainer, weight sync and engine."""
 
+    params_dtype: str = "auto"
+    """auto | bf16 | fp32. Parameter dtype of the trainer. bf16 = Megatron's Float16Module with a
+    mixed-precision optimizer (FP32 main parameters and FP32 gradient accumulation), as Megatron-LM
+    runs under --bf16. auto: bf16 on GPUs; on CPU what the CPU compatibility layer chooses."""
     train_recipe: str = "bf16"
     """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8. On CPU the FP8 recipes are emulated."""
     fp8_format: str = "hybrid"
@@ -205,6 +231,10 @@ class RunConfig:
 _CHOICES = {
     "precision.train_recipe": TRAIN_RECIPES,
     "precision.fp8_format": ("hybrid", "e4m3"),
+    "precision.params_dtype": ("auto", "bf16", "fp32"),
+    "parallel.recompute_granularity": ("none", "selective", "full"),
+    "parallel.recompute_method": ("uniform", "block"),
+    "parallel.transformer_impl": ("auto", "transformer_engine", "local"),
     "precision.rollout_quant": ROLLOUT_QUANTS,
     "precision.scale_format": ("fp32", "ue8m0"),
     "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo"),
@@ -218,6 +248,7 @@ _CHOICES = {
 
 _POSITIVE = (
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "parallel.context_parallel_size", "parallel.recompute_num_layers",
     "calib.period", "calib.num_bins", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
     "data.prompts_per_step", "data.max_prompt_len", "train.num_mini_batches", "train.ppo_epochs",
     "train.micro_batch_size", "rollout.temperature", "sync.bucket_size_mb", "reward.timeout_s",
