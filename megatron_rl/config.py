@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from megatron_rl.actor.settings import validate_parallel
 from megatron_rl.rollout.sglang_config import SGLangConfig, validate_sglang
 
 TRAIN_RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
@@ -337,6 +338,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                          "BF16 shadow; it needs precision.train_recipe other than 'bf16'")
     if cfg.rollout.engine == "sglang":
         validate_sglang(cfg.rollout.sglang)
+    validate_parallel(cfg)
     return cfg
 
 

@@ -1,0 +1,155 @@
+"""The actor's resolved GPU-scale settings: config `null`/`auto` turned into concrete choices.
+
+One pure function, `resolve_settings(cfg, cuda)`, importable without Megatron, Transformer Engine
+or a GPU: the actor builds from its result and the memory planner sizes from the same result, so
+the two can never disagree about what a config means. Cross-field mistakes are refused here with a
+ValueError naming the key.
+
+    s = resolve_settings(cfg, cuda=torch.cuda.is_available())
+    s.params_dtype            # "bf16" | "fp32"
+    s.use_distributed_optimizer, s.sequence_parallel, s.recompute_granularity, s.transformer_impl
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The CPU default of precision.params_dtype=auto (tools/bench/actor_step.py measures the choice;
+# docs/actor.md has the numbers).
+CPU_PARAMS_DTYPE = "fp32"
+
+# Recipes Transformer Engine has no recipe object for: the actor runs them emulated (local spec).
+EMULATED_ONLY_RECIPES = ("rowwise",)
+
+# MXFP8 (1x32 blocks, E8M0 scales) runs natively on Blackwell only (compute capability 10.x).
+MXFP8_MIN_CAPABILITY = (10, 0)
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """What the actor runs with. Every field is concrete (no None/auto left)."""
+
+    device: str
+    """cuda | cpu."""
+    params_dtype: str
+    """bf16 | fp32: parameter dtype; bf16 means Float16Module + FP32 main params and grads."""
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    sequence_parallel: bool
+    use_distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    recompute_granularity: str
+    """none | selective | full."""
+    recompute_method: str
+    recompute_num_layers: int
+    transformer_impl: str
+    """transformer_engine | local."""
+    fp8_emulated: bool
+    """True when an FP8 train recipe runs through the emulated linears (local spec) instead of TE."""
+
+    @property
+    def bf16(self) -> bool:
+        return self.params_dtype == "bf16"
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Bytes of one model parameter (the FP32 main copy and grads are separate, in the optimizer)."""
+        return 2 if self.bf16 else 4
+
+    def summary(self) -> str:
+        """The one-line "what runs where" of the start banner (without the recipe and DP size)."""
+        parts = [self.device, self.params_dtype,
+                 f"TP={self.tensor_model_parallel_size}", f"PP={self.pipeline_model_parallel_size}",
+                 f"SP={'on' if self.sequence_parallel else 'off'}",
+                 "distributed optimizer" if self.use_distributed_optimizer else "optimizer",
+                 f"recompute={self.recompute_granularity}", f"layers={self.transformer_impl}"]
+        return " ".join(parts)
+
+
+def _auto(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
+def _transformer_impl(cfg, cuda: bool) -> tuple[str, bool]:
+    """(transformer_impl, fp8_emulated) from parallel.transformer_impl and the recipe."""
+    impl, recipe = cfg.parallel.transformer_impl, cfg.precision.train_recipe
+    if impl == "transformer_engine" and not cuda:
+        raise ValueError("config key 'parallel.transformer_impl': 'transformer_engine' needs CUDA; "
+                         "use 'auto' or 'local' on CPU")
+    if impl == "transformer_engine" and recipe in EMULATED_ONLY_RECIPES:
+        raise ValueError(f"config key 'precision.train_recipe': {recipe!r} has no Transformer "
+                         "Engine recipe; set parallel.transformer_impl=local (or auto) to run it "
+                         "emulated, or choose blockwise / tensorwise / delayed")
+    if impl == "auto":
+        # rowwise on CUDA runs emulated on purpose (local spec), and the start banner says so.
+        impl = "transformer_engine" if cuda and recipe not in EMULATED_ONLY_RECIPES else "local"
+    return impl, recipe != "bf16" and impl == "local"
+
+
+def _params_dtype(cfg, cuda: bool) -> str:
+    dtype = cfg.precision.params_dtype
+    if dtype == "auto":
+        return "bf16" if cuda else CPU_PARAMS_DTYPE
+    return dtype
+
+
+def validate_parallel(cfg) -> None:
+    """The device-independent cross-field rules of the `parallel` section (config.validate)."""
+    p = cfg.parallel
+    if p.context_parallel_size > 1:
+        raise ValueError(f"config key 'parallel.context_parallel_size': {p.context_parallel_size} "
+                         "is not supported (context parallel needs THD packing, TE attention and "
+                         "RoPE sliced per CP rank, not built yet); use 1")
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        raise ValueError("config key 'parallel.sequence_parallel': sequence parallel splits over "
+                         "the TP group; it needs parallel.tensor_model_parallel_size > 1")
+    if p.overlap_param_gather and p.use_distributed_optimizer is False:
+        raise ValueError("config key 'parallel.overlap_param_gather': the parameter all-gather "
+                         "exists only with the distributed optimizer; set "
+                         "parallel.use_distributed_optimizer=true or overlap_param_gather=false")
+
+
+def resolve_settings(cfg, cuda: bool) -> ResolvedSettings:
+    """Resolve the actor's null/auto config keys for a machine with (cuda=True) or without a GPU.
+
+    Args:
+        cfg: a RunConfig (only its `parallel` and `precision` sections are read).
+        cuda: whether the trainer runs on CUDA devices.
+    Raises:
+        ValueError naming the config key of a combination that cannot run.
+    """
+    validate_parallel(cfg)
+    p = cfg.parallel
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    dist_opt = _auto(p.use_distributed_optimizer, cuda)
+    if p.overlap_param_gather and not dist_opt:
+        raise ValueError("config key 'parallel.overlap_param_gather': the parameter all-gather "
+                         "exists only with the distributed optimizer, which is off by default on "
+                         "CPU; set parallel.use_distributed_optimizer=true")
+    impl, emulated = _transformer_impl(cfg, cuda)
+    return ResolvedSettings(
+        device="cuda" if cuda else "cpu", params_dtype=_params_dtype(cfg, cuda),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        sequence_parallel=_auto(p.sequence_parallel, cuda and tp > 1),
+        use_distributed_optimizer=dist_opt,
+        overlap_grad_reduce=_auto(p.overlap_grad_reduce, cuda),
+        overlap_param_gather=_auto(p.overlap_param_gather, cuda and dist_opt),
+        recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
+        recompute_num_layers=p.recompute_num_layers, transformer_impl=impl, fp8_emulated=emulated)
+
+
+def check_device(settings: ResolvedSettings, recipe: str,
+                 capability: tuple[int, int] | None) -> None:
+    """Refuse an FP8 recipe the device cannot run natively (build time, once the GPU is known).
+
+    capability: torch.cuda.get_device_capability(), None on CPU (everything is emulated there).
+    """
+    if capability is None or settings.transformer_impl != "transformer_engine":
+        return
+    if recipe == "mxfp8" and tuple(capability) < MXFP8_MIN_CAPABILITY:
+        raise ValueError(f"config key 'precision.train_recipe': 'mxfp8' needs a Blackwell GPU "
+                         f"(compute capability 10.x), this device is {capability[0]}.{capability[1]}; "
+                         "use blockwise on Hopper")
