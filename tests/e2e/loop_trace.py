@@ -1,0 +1,186 @@
+"""Run the real loop (megatron_rl.train.run) with spies at the components' public calls.
+
+The orchestration tests need to see what each phase fed to the next: which weights a forward ran
+at, what the optimizer trained on, what the engine served, and the state of every component when
+a step is logged. Spies record and then call the real method, so the run is the real run.
+
+    trace = trace_run(root / "name", "fp8_calibrated.yaml", "train.num_steps=3")
+    trace.steps[1].events      # [Event(kind="generate", ...), Event(kind="logprobs", ...), ...]
+    trace.steps[1].state       # controller, loader, engine, trainer digests after step 1
+    trace.initial              # the same snapshot right after build, before the start-up sync
+
+Event kinds: "generate" (engine version it served, its samples), "score" (texts, answers,
+rewards), "logprobs" (fp8 flag, rows), "train" (the mini-batch handed to train_step), "loss"
+(one micro-batch's log-probs and inputs as the loss saw them). `updates` is the number of
+optimizer steps taken before the event, counted over the whole run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_rl import build
+from megatron_rl.config import load_config
+from megatron_rl.sync.quantize import quantize_for_rollout
+from megatron_rl.sync.transport import tensor_digest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_rl_loop import EXAMPLES, TINY  # noqa: E402
+
+
+@dataclass
+class Event:
+    kind: str
+    updates: int
+    data: dict[str, Any]
+
+
+@dataclass
+class Step:
+    metrics: dict[str, float] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+
+@dataclass
+class Trace:
+    cfg: Any
+    initial: dict[str, Any] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+    dataset: list = field(default_factory=list)  # the run's PromptItems (prompt_ids, answer)
+    tokenizer: Any = None
+
+
+def digest_tensors(named) -> str:
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(name.encode() + tensor_digest(t).encode())
+    return h.hexdigest()
+
+
+def _optimizer_tensors(state, prefix: str = ""):
+    """Every tensor of a (nested) optimizer state dict, with a path name, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key in sorted(state, key=str):
+            yield from _optimizer_tensors(state[key], f"{prefix}/{key}")
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _optimizer_tensors(value, f"{prefix}/{i}")
+
+
+def snapshot(run_) -> dict[str, Any]:
+    """What a step may change: controller, data cursor, engine, trainer weights and optimizer."""
+    sent = quantize_for_rollout(run_.actor.export_hf_weights(), run_.sync.quant)
+    return {
+        "controller": dict(run_.controller.state_dict()),
+        "loader": dict(run_.loader.state_dict()),
+        "sync_version": run_.sync.version,
+        "engine_version": run_.engine.weight_version,
+        "engine_sums": run_.engine.checksum(),
+        "trainer_sums": {n: tensor_digest(t) for n, t in sent},
+        "params": digest_tensors(p for c in run_.actor.model for p in c.named_parameters()),
+        "optimizer": digest_tensors(_optimizer_tensors(run_.actor.optimizer.state_dict())),
+    }
+
+
+class _Spy:
+    """Installs the spies on a built run; `pending` collects the events of the running step."""
+
+    def __init__(self, run_, trace: Trace) -> None:
+        self.trace, self.pending, self.updates = trace, [], 0
+        actor, engine = run_.actor, run_.engine
+        self.engine = engine
+        self._wrap(actor, "compute_logprobs", self._logprobs)
+        self._wrap(actor, "train_step", self._train)
+        self._wrap(engine, "generate", self._generate)
+        self._wrap(run_.rewards, "score", self._score)
+        logger_log = run_.logger.log
+
+        def log(step: int, metrics: dict[str, float]) -> None:
+            trace.steps.append(Step(dict(metrics), self.pending, snapshot(run_)))
+            self.pending = []
+            logger_log(step, metrics)
+        run_.logger.log = log
+
+    def _record(self, kind: str, **data) -> None:
+        self.pending.append(Event(kind, self.updates, data))
+
+    @staticmethod
+    def _wrap(obj, name: str, spy) -> None:
+        real = getattr(obj, name)
+        signature = inspect.signature(real)
+
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return spy(real, bound)
+        setattr(obj, name, wrapper)
+
+    def _logprobs(self, real, bound):
+        self._record("logprobs", fp8=bound.arguments["fp8"], rows=bound.arguments["batch"]["tokens"].shape[0])
+        return real(*bound.args, **bound.kwargs)
+
+    def _train(self, real, bound):
+        batch, loss_fn = bound.arguments["batch"], bound.arguments["loss_fn"]
+        self._record("train", batch={k: v.clone() for k, v in batch.items()})
+
+        def spied_loss(logprobs, entropy, mb):
+            self._record("loss", logprobs=logprobs.detach().clone(), mb={k: v.clone() for k, v in mb.items()})
+            return loss_fn(logprobs, entropy, mb)
+        bound.arguments["loss_fn"] = spied_loss
+        result = real(*bound.args, **bound.kwargs)
+        self.updates += 0 if result["skipped"] else 1
+        return result
+
+    def _generate(self, real, bound):
+        version = self.engine.weight_version  # the weights these samples are drawn from
+        samples = real(*bound.args, **bound.kwargs)
+        self._record("generate", version=version, samples=samples)
+        return samples
+
+    def _score(self, real, bound):
+        rewards, stats = real(*bound.args, **bound.kwargs)
+        self._record("score", texts=list(bound.arguments["responses"]), answers=list(bound.arguments["answers"]),
+                     rewards=list(rewards))
+        return rewards, stats
+
+
+def trace_run(log_dir: Path, config: str, *overrides: str, setup=None) -> Trace:
+    """megatron_rl.train.run on the tiny config with spies; `setup(run_)` runs right after build."""
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl.train import run
+
+    cfg = load_config(EXAMPLES / config, [*TINY, f"log.dir={log_dir}", *overrides])
+    trace = Trace(cfg)
+    real_build = build.build_run
+
+    def build_and_spy(cfg_):
+        run_ = real_build(cfg_)
+        if setup is not None:
+            setup(run_)
+        trace.initial = snapshot(run_)
+        trace.dataset = [run_.loader.dataset[i] for i in range(len(run_.loader.dataset))]
+        trace.tokenizer = run_.tokenizer
+        _Spy(run_, trace)
+        return run_
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(build, "build_run", build_and_spy)
+        try:
+            run(cfg)
+        finally:
+            destroy_parallel()
+    return trace

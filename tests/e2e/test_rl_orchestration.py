@@ -1,0 +1,201 @@
+"""The loop's orchestration: which log-probs feed each ratio and metric, which mini-batch calibrates
+and when, what each phase hands the next, what the engine serves, and what a skipped step leaves
+alone. Each test traces the real loop (loop_trace) and checks an invariant whose expected value is
+worked out here from the recorded inputs, never by calling the loop's own code.
+
+The main trace: 3 steps, calibration period 2 (steps 0 and 2 calibrate, step 1 does not), two
+mini-batches per step, and a learning rate high enough that the second mini-batch's ratios move
+well outside [0.8, 1.2].
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.rewards import get_reward_fn, register_reward_fn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from loop_trace import trace_run  # noqa: E402
+
+CONFIG = "fp8_calibrated.yaml"
+PERIOD = 2
+MAIN = ("train.num_steps=3", f"calib.period={PERIOD}", "train.lr=3e-3")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("orchestration")  # one warm-started tiny model for every trace
+
+
+@pytest.fixture(scope="module")
+def main_trace(root):
+    return trace_run(root / "main", CONFIG, *MAIN)
+
+
+def _response(mb: dict) -> torch.Tensor:
+    return mb["loss_mask"] > 0
+
+
+def _first_update(step) -> int:
+    return step.of("train")[0].updates
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "mxfp8"])
+def test_first_mini_batch_ratio_is_exactly_one_at_theta_old(root, main_trace, recipe):
+    """Old log-probs are the FP8 trainer's at theta_old, so the first mini-batch (trained before any
+    update) sees r = 1 exactly under per-row / per-block recipes; BF16 or rollout old log-probs
+    would give precision noise there, and the noise/* metrics must come from that mini-batch."""
+    trace = main_trace if recipe == "blockwise" else trace_run(
+        root / recipe, CONFIG, "train.num_steps=1", f"precision.train_recipe={recipe}", "train.lr=3e-3")
+    for step in trace.steps:
+        start = _first_update(step)
+        at_old = [e for e in step.of("loss") if e.updates == start]
+        assert at_old
+        for e in at_old:
+            on = _response(e.data["mb"])
+            assert torch.equal(e.data["logprobs"][on], e.data["mb"]["old_logprobs"][on])
+        m = step.metrics
+        assert m["noise/log_ratio_std_at_old"] == 0.0 and m["noise/pg_clipfrac_at_old"] == 0.0
+        assert not m["noise/clip_low_neg_at_old"] > 0  # NaN when that mini-batch has no A < 0 token
+        assert m["log_ratio/std"] > 0.05  # later mini-batches did move: the check above is not vacuous
+
+
+def test_old_logprobs_are_the_rollouts_when_configured(root):
+    trace = trace_run(root / "rollout_old", CONFIG, "train.num_steps=1", "algo.use_rollout_logprobs=true",
+                      "calib.enabled=false")
+    (step,) = trace.steps
+    for e in step.of("loss"):
+        on = _response(e.data["mb"])
+        assert torch.equal(e.data["mb"]["old_logprobs"][on], e.data["mb"]["rollout_logprobs"][on])
+    assert step.metrics["mismatch/abs_logprob_diff"] == 0.0
+    # no trainer recompute of the old log-probs: that forward is what the switch saves
+    assert not [e for e in step.of("logprobs") if e.updates == _first_update(step)]
+
+
+def test_mismatch_metrics_compare_old_with_rollout_logprobs(main_trace):
+    """mismatch/* is trainer (theta_old) vs engine on every response token of the step, whatever
+    the mini-batch's current log-probs are (they moved after the first update)."""
+    for step in main_trace.steps:
+        diffs = torch.cat([(e.data["mb"]["old_logprobs"] - e.data["mb"]["rollout_logprobs"]).double()[_response(e.data["mb"])]
+                           for e in step.of("loss")])
+        assert step.metrics["mismatch/abs_logprob_diff"] == pytest.approx(float(diffs.abs().mean()), rel=1e-9)
+        assert step.metrics["mismatch/token_mult_prob_error"] == pytest.approx(float(diffs.abs().exp().mean()), rel=1e-9)
+        assert float(diffs.abs().max()) > 0  # FP8 rollout vs FP8 trainer: a real mismatch to measure
+
+
+def test_calibration_batch_follows_an_update_and_shadow_is_at_theta_old(main_trace):
+    """Calibrating at theta_old would compare BF16 with itself (spread exactly 0, nothing clipped):
+    the calibration mini-batch must follow an update, and the BF16 shadow's old log-probs must be
+    taken before the first update, on calibration steps only."""
+    for index, step in enumerate(main_trace.steps):
+        start = _first_update(step)
+        bf16 = [e.updates for e in step.of("logprobs") if not e.data["fp8"]]
+        if index % PERIOD:
+            assert bf16 == [] and not [k for k in step.metrics if k.startswith("shadow/")]
+            continue
+        assert start in bf16 and max(bf16) > start, bf16  # shadow at theta_old, calibration after
+        assert step.metrics["shadow/log_ratio_bf16_std"] > 1e-3
+        assert step.metrics["shadow/log_ratio_fp8_std"] > 1e-3
+
+
+def test_bounds_change_only_on_calibration_steps_and_feed_the_loss(main_trace):
+    steps = main_trace.steps
+    counts = [s.state["controller"]["num_calibrations"] + s.state["controller"]["num_skipped"] for s in steps]
+    assert counts == [1, 1, 2]
+    assert steps[1].state["controller"] == steps[0].state["controller"]  # held between calibrations
+    low, high = steps[0].state["controller"]["low"], steps[0].state["controller"]["high"]
+    assert (steps[1].metrics["calib/low"], steps[1].metrics["calib/high"]) == (low, high)
+    # the loss of step 1 clipped at exactly those bounds, on the ratio of its own forward
+    neg = pos = low_neg = high_pos = 0
+    for e in steps[1].of("loss"):
+        mb, on = e.data["mb"], _response(e.data["mb"])
+        ratio = torch.exp(e.data["logprobs"][on] - mb["old_logprobs"][on])
+        adv = mb["advantages"][on]
+        neg, pos = neg + int((adv < 0).sum()), pos + int((adv > 0).sum())
+        low_neg += int(((adv < 0) & (ratio < low)).sum())
+        high_pos += int(((adv > 0) & (ratio > high)).sum())
+    assert low_neg > 0
+    assert steps[1].metrics["clip/low_neg"] == pytest.approx(low_neg / neg, abs=1e-12)
+    assert steps[1].metrics["clip/high_pos"] == pytest.approx(high_pos / pos, abs=1e-12)
+
+
+def test_engine_samples_from_the_weights_of_the_previous_update(main_trace):
+    """Version 1 is the start-up sync; every trained step publishes one more, after its update,
+    and the next step's rollout is drawn from it. The engine holds the trainer's bytes exactly."""
+    for index, step in enumerate(main_trace.steps):
+        (generate,) = step.of("generate")
+        assert generate.data["version"] == 1 + index
+        assert step.state["engine_version"] == step.state["sync_version"] == 2 + index
+        assert step.state["engine_sums"] == step.state["trainer_sums"]
+    assert main_trace.steps[0].state["params"] != main_trace.initial["params"]
+
+
+def _grpo(rewards: list[float], n: int) -> list[float]:
+    """Slow reference: (r - group mean) / (unbiased group std + 1e-6); equal rewards give 0."""
+    out = []
+    for g in range(0, len(rewards), n):
+        group = rewards[g: g + n]
+        mean = sum(group) / n
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (n - 1))
+        out += [0.0 if max(group) == min(group) else (r - mean) / (std + 1e-6) for r in group]
+    return out
+
+
+def test_trainer_gets_each_sample_once_with_its_own_reward_and_advantage(main_trace):
+    """generate -> score -> advantages -> old log-probs -> train: every response the engine drew is
+    trained exactly once per step, with the reward of its own prompt's answer and the GRPO
+    advantage of its group, its tokens, mask and rollout log-probs as generated."""
+    n = main_trace.cfg.rollout.n_samples_per_prompt
+    answers = {tuple(item.prompt_ids): item.answer for item in main_trace.dataset}
+    reward_fn = get_reward_fn(main_trace.cfg.reward.name)
+    for step in main_trace.steps:
+        (generate,), (score,) = step.of("generate"), step.of("score")
+        samples = generate.data["samples"]
+        texts = main_trace.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        rewards = [reward_fn(t, answers[tuple(s.prompt_ids)]) for t, s in zip(texts, samples)]
+        assert score.data["rewards"] == pytest.approx(rewards, abs=0)
+        expected = {}
+        for s, adv in zip(samples, _grpo(rewards, n)):
+            expected.setdefault(tuple(s.prompt_ids) + tuple(s.response_ids), []).append((s, adv))
+        for e in step.of("train"):
+            mb = e.data["batch"]
+            for row in range(mb["tokens"].shape[0]):
+                on = torch.nonzero(mb["loss_mask"][row]).flatten()
+                if len(on) == 0:
+                    continue  # padding row
+                s, adv = expected[tuple(mb["tokens"][row, : int(on[-1]) + 1].tolist())].pop()
+                p, r = len(s.prompt_ids), len(s.response_ids)
+                assert on.tolist() == list(range(p, p + r))
+                assert mb["rollout_logprobs"][row, p: p + r].tolist() == pytest.approx(s.rollout_logprobs, abs=0)
+                assert mb["advantages"][row, p: p + r].tolist() == pytest.approx([adv] * r, abs=1e-5)
+        assert not [k for k, left in expected.items() if left], "a response was never trained"
+
+
+def _constant_reward(response: str, answer: str) -> float:
+    return 0.5
+
+
+def test_skipped_step_leaves_everything_untouched(root):
+    """Dynamic sampling drops every group (equal rewards): no forward, no update, no sync, the clip
+    controller keeps its state even on a calibration step, and the prompts are consumed (the cursor
+    moves one batch per step, as on a trained step)."""
+    register_reward_fn("test_orchestration_constant", _constant_reward)
+    trace = trace_run(root / "skipped", CONFIG, "train.num_steps=2", "calib.period=1",
+                      "algo.dynamic_sampling=true", "reward.name=test_orchestration_constant")
+    before = trace.initial
+    per_step = trace.cfg.data.prompts_per_step
+    for index, step in enumerate(trace.steps):
+        assert step.metrics["step/skipped"] == 1.0
+        assert not [k for k in step.metrics if k.startswith(("sync/", "calib/", "shadow/")) or k == "pg_loss"]
+        assert [e.kind for e in step.events] == ["generate", "score"]
+        s = step.state
+        assert (s["params"], s["optimizer"], s["controller"]) == (before["params"], before["optimizer"],
+                                                                 before["controller"])
+        assert s["engine_version"] == s["sync_version"] == 1  # the start-up sync only
+        assert s["engine_sums"] == before["trainer_sums"]
+        assert s["loader"]["position"] == (index + 1) * per_step
