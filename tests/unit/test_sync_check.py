@@ -1,0 +1,75 @@
+"""Weight-sync check mode compares the bytes the engine holds with the bytes that were sent: one
+flipped byte, or a tensor the engine never received (so it still serves the old one), must raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.actor.actor import MegatronActor
+from megatron_rl.rollout.torch_engine import TorchRolloutEngine
+from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.sync.transport import InProcessTransport, tensor_digest
+from megatron_rl.sync.weight_sync import WeightSync, WeightSyncError
+
+pytestmark = pytest.mark.timeout(120)
+
+QUANT = RolloutQuantSpec("fp8_blockwise")
+
+
+class _FaultyTransport(InProcessTransport):
+    """Delivers buckets like InProcessTransport, but corrupts or drops the tensor `target`."""
+
+    def __init__(self, engine, target: str, fault: str) -> None:
+        super().__init__(engine)
+        self.target, self.fault = target, fault
+
+    def send(self, bucket, version: int) -> None:
+        out = []
+        for name, t in bucket:
+            if name == self.target and self.fault == "drop":
+                continue
+            if name == self.target:
+                t = t.detach().clone()
+                t.reshape(-1).view(torch.uint8)[0] ^= 1  # the lowest bit of the first byte
+            out.append((name, t))
+        super().send(out, version)
+
+
+@pytest.fixture
+def actor(qwen2_dir, single_parallel):
+    return MegatronActor.build(qwen2_dir, parallel=single_parallel)
+
+
+def _sync(actor, qwen2_dir, target: str | None = None, fault: str = "flip"):
+    engine = TorchRolloutEngine(qwen2_dir, rollout_quant="fp8_blockwise")
+    transport = InProcessTransport(engine) if target is None else _FaultyTransport(engine, target, fault)
+    return engine, WeightSync(actor, transport, QUANT, bucket_mb=0.02, check=True)
+
+
+def test_check_passes_when_the_engine_holds_the_sent_bytes(actor, qwen2_dir):
+    engine, sync = _sync(actor, qwen2_dir)
+    assert sync.sync()["sync/check_mismatches"] == 0.0
+    sent = dict(quantize_for_rollout(actor.export_hf_weights(), QUANT))
+    assert engine.checksum(sorted(sent)) == {n: tensor_digest(t) for n, t in sent.items()}
+
+
+@pytest.mark.parametrize("target", ["model.layers.0.mlp.down_proj.weight",  # FP8 bytes
+                                    "model.layers.0.mlp.down_proj.weight_scale_inv",  # its FP32 scale
+                                    "model.norm.weight"])  # a high-precision tensor
+def test_check_raises_on_one_flipped_byte(actor, qwen2_dir, target):
+    engine, sync = _sync(actor, qwen2_dir, target, "flip")
+    with pytest.raises(WeightSyncError, match=target.replace(".", r"\.")):
+        sync.sync()
+
+
+def test_check_raises_on_a_tensor_the_engine_did_not_receive(actor, qwen2_dir):
+    """The engine keeps serving the old tensor: same name, stale bytes (the engine itself refuses a
+    half-sent FP8 weight + scale pair, so a high-precision tensor is the silent case)."""
+    target = "model.layers.1.post_attention_layernorm.weight"  # an FP8 pair cannot go half-sent
+    engine, sync = _sync(actor, qwen2_dir, target, "drop")
+    with torch.no_grad():
+        for param in actor.model[0].parameters():
+            param.add_(0.01)
+    with pytest.raises(WeightSyncError, match=target.replace(".", r"\.")):
+        sync.sync()
