@@ -9,8 +9,8 @@ a step is logged. Spies record and then call the real method, so the run is the 
     trace.steps[1].state       # controller, loader, engine, trainer digests after step 1
     trace.initial              # the same snapshot right after build, before the start-up sync
 
-Event kinds: "generate" (engine version it served, its samples), "score" (texts, answers,
-rewards), "logprobs" (fp8 flag, rows), "train" (the mini-batch handed to train_step), "loss"
+Event kinds: "prompts" (the global batch the loader handed out), "generate" (engine version it
+served, its prompts and samples), "score" (texts, answers, rewards), "logprobs" (fp8 flag, rows), "train" (the mini-batch handed to train_step), "loss"
 (one micro-batch's log-probs and inputs as the loss saw them). `updates` is the number of
 optimizer steps taken before the event, counted over the whole run.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 
 from megatron_rl import build
 from megatron_rl.config import load_config
+from megatron_rl.rewards import get_reward_fn
 from megatron_rl.sync.quantize import quantize_for_rollout
 from megatron_rl.sync.transport import tensor_digest
 
@@ -107,6 +109,7 @@ class _Spy:
         self._wrap(actor, "train_step", self._train)
         self._wrap(engine, "generate", self._generate)
         self._wrap(run_.rewards, "score", self._score)
+        self._wrap(run_.loader, "next_batch", self._prompts)
         logger_log = run_.logger.log
 
         def log(step: int, metrics: dict[str, float]) -> None:
@@ -148,14 +151,61 @@ class _Spy:
     def _generate(self, real, bound):
         version = self.engine.weight_version  # the weights these samples are drawn from
         samples = real(*bound.args, **bound.kwargs)
-        self._record("generate", version=version, samples=samples)
+        self._record("generate", version=version, prompt_ids=[list(p) for p in bound.arguments["prompts"]],
+                     samples=samples)
         return samples
+
+    def _prompts(self, real, bound):
+        items = real(*bound.args, **bound.kwargs)
+        self._record("prompts", prompt_ids=[list(item.prompt_ids) for item in items])
+        return items
 
     def _score(self, real, bound):
         rewards, stats = real(*bound.args, **bound.kwargs)
         self._record("score", texts=list(bound.arguments["responses"]), answers=list(bound.arguments["answers"]),
                      rewards=list(rewards))
         return rewards, stats
+
+
+def _grpo(rewards: list[float], n: int) -> list[float]:
+    """Slow reference: (r - group mean) / (unbiased group std + 1e-6); equal rewards give 0."""
+    out = []
+    for g in range(0, len(rewards), n):
+        group = rewards[g: g + n]
+        mean = sum(group) / n
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (n - 1))
+        out += [0.0 if max(group) == min(group) else (r - mean) / (std + 1e-6) for r in group]
+    return out
+
+
+def check_sample_flow(trace: Trace, step: Step) -> list[float]:
+    """Assert that every response this rank drew in `step` was trained exactly once, with the reward
+    of its own prompt's answer (reward fn called here), its group's GRPO advantage, and its tokens,
+    mask and rollout log-probs as generated. Returns this rank's rewards."""
+    n = trace.cfg.rollout.n_samples_per_prompt
+    answers = {tuple(item.prompt_ids): item.answer for item in trace.dataset}
+    reward_fn = get_reward_fn(trace.cfg.reward.name)
+    (generate,), (score,) = step.of("generate"), step.of("score")
+    samples = generate.data["samples"]
+    texts = trace.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    rewards = [reward_fn(t, answers[tuple(s.prompt_ids)]) for t, s in zip(texts, samples)]
+    assert score.data["rewards"] == pytest.approx(rewards, abs=0)
+    expected: dict[tuple, list] = {}
+    for s, adv in zip(samples, _grpo(rewards, n)):
+        expected.setdefault(tuple(s.prompt_ids) + tuple(s.response_ids), []).append((s, adv))
+    for e in step.of("train"):
+        mb = e.data["batch"]
+        for row in range(mb["tokens"].shape[0]):
+            on = torch.nonzero(mb["loss_mask"][row]).flatten()
+            if len(on) == 0:
+                continue  # padding row
+            s, adv = expected[tuple(mb["tokens"][row, : int(on[-1]) + 1].tolist())].pop()
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            assert on.tolist() == list(range(p, p + r))
+            assert mb["rollout_logprobs"][row, p: p + r].tolist() == pytest.approx(s.rollout_logprobs, abs=0)
+            assert mb["advantages"][row, p: p + r].tolist() == pytest.approx([adv] * r, abs=1e-5)
+    assert not [k for k, left in expected.items() if left], "a response was never trained"
+    return rewards
 
 
 def trace_run(log_dir: Path, config: str, *overrides: str, setup=None) -> Trace:

@@ -10,17 +10,16 @@ well outside [0.8, 1.2].
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_rl.rewards import get_reward_fn, register_reward_fn
+from megatron_rl.rewards import register_reward_fn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from loop_trace import trace_run  # noqa: E402
+from loop_trace import check_sample_flow, trace_run  # noqa: E402
 
 CONFIG = "fp8_calibrated.yaml"
 PERIOD = 2
@@ -124,6 +123,16 @@ def test_bounds_change_only_on_calibration_steps_and_feed_the_loss(main_trace):
     assert steps[1].metrics["clip/high_pos"] == pytest.approx(high_pos / pos, abs=1e-12)
 
 
+def test_each_step_rolls_out_one_new_batch_of_prompts(main_trace):
+    seen = []
+    for index, step in enumerate(main_trace.steps):
+        (prompts,), (generate,) = step.of("prompts"), step.of("generate")
+        assert generate.data["prompt_ids"] == prompts.data["prompt_ids"]  # one rank: the whole batch
+        assert step.state["loader"]["position"] == (index + 1) * main_trace.cfg.data.prompts_per_step
+        seen.append(prompts.data["prompt_ids"])
+    assert all(a != b for a, b in zip(seen, seen[1:]))
+
+
 def test_engine_samples_from_the_weights_of_the_previous_update(main_trace):
     """Version 1 is the start-up sync; every trained step publishes one more, after its update,
     and the next step's rollout is drawn from it. The engine holds the trainer's bytes exactly."""
@@ -135,45 +144,12 @@ def test_engine_samples_from_the_weights_of_the_previous_update(main_trace):
     assert main_trace.steps[0].state["params"] != main_trace.initial["params"]
 
 
-def _grpo(rewards: list[float], n: int) -> list[float]:
-    """Slow reference: (r - group mean) / (unbiased group std + 1e-6); equal rewards give 0."""
-    out = []
-    for g in range(0, len(rewards), n):
-        group = rewards[g: g + n]
-        mean = sum(group) / n
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (n - 1))
-        out += [0.0 if max(group) == min(group) else (r - mean) / (std + 1e-6) for r in group]
-    return out
-
-
 def test_trainer_gets_each_sample_once_with_its_own_reward_and_advantage(main_trace):
     """generate -> score -> advantages -> old log-probs -> train: every response the engine drew is
     trained exactly once per step, with the reward of its own prompt's answer and the GRPO
     advantage of its group, its tokens, mask and rollout log-probs as generated."""
-    n = main_trace.cfg.rollout.n_samples_per_prompt
-    answers = {tuple(item.prompt_ids): item.answer for item in main_trace.dataset}
-    reward_fn = get_reward_fn(main_trace.cfg.reward.name)
     for step in main_trace.steps:
-        (generate,), (score,) = step.of("generate"), step.of("score")
-        samples = generate.data["samples"]
-        texts = main_trace.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        rewards = [reward_fn(t, answers[tuple(s.prompt_ids)]) for t, s in zip(texts, samples)]
-        assert score.data["rewards"] == pytest.approx(rewards, abs=0)
-        expected = {}
-        for s, adv in zip(samples, _grpo(rewards, n)):
-            expected.setdefault(tuple(s.prompt_ids) + tuple(s.response_ids), []).append((s, adv))
-        for e in step.of("train"):
-            mb = e.data["batch"]
-            for row in range(mb["tokens"].shape[0]):
-                on = torch.nonzero(mb["loss_mask"][row]).flatten()
-                if len(on) == 0:
-                    continue  # padding row
-                s, adv = expected[tuple(mb["tokens"][row, : int(on[-1]) + 1].tolist())].pop()
-                p, r = len(s.prompt_ids), len(s.response_ids)
-                assert on.tolist() == list(range(p, p + r))
-                assert mb["rollout_logprobs"][row, p: p + r].tolist() == pytest.approx(s.rollout_logprobs, abs=0)
-                assert mb["advantages"][row, p: p + r].tolist() == pytest.approx([adv] * r, abs=1e-5)
-        assert not [k for k, left in expected.items() if left], "a response was never trained"
+        check_sample_flow(main_trace, step)
 
 
 def _constant_reward(response: str, answer: str) -> float:
@@ -192,7 +168,7 @@ def test_skipped_step_leaves_everything_untouched(root):
     for index, step in enumerate(trace.steps):
         assert step.metrics["step/skipped"] == 1.0
         assert not [k for k in step.metrics if k.startswith(("sync/", "calib/", "shadow/")) or k == "pg_loss"]
-        assert [e.kind for e in step.events] == ["generate", "score"]
+        assert [e.kind for e in step.events] == ["prompts", "generate", "score"]
         s = step.state
         assert (s["params"], s["optimizer"], s["controller"]) == (before["params"], before["optimizer"],
                                                                  before["controller"])
