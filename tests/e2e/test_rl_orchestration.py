@@ -4,8 +4,9 @@ alone. Each test traces the real loop (loop_trace) and checks an invariant whose
 worked out here from the recorded inputs, never by calling the loop's own code.
 
 The main trace: 3 steps, calibration period 2 (steps 0 and 2 calibrate, step 1 does not), two
-mini-batches per step, and a learning rate high enough that the second mini-batch's ratios move
-well outside [0.8, 1.2].
+mini-batches per step, a learning rate high enough that the second mini-batch's ratios move well
+outside [0.8, 1.2], and a clip controller started at (0.5, 1.6) with smoothing 0.5, so that the
+bounds it holds stay far from the default ones and a loss clipping at the wrong pair shows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from loop_trace import check_sample_flow, trace_run  # noqa: E402
 
 CONFIG = "fp8_calibrated.yaml"
 PERIOD = 2
-MAIN = ("train.num_steps=3", f"calib.period={PERIOD}", "train.lr=3e-3")
+MAIN = ("train.num_steps=3", f"calib.period={PERIOD}", "train.lr=3e-3", "calib.smoothing=0.5")
+
+
+def _wide_bounds(run_) -> None:
+    state = run_.controller.state_dict()
+    state.update(low=0.5, high=1.6)
+    run_.controller.load_state_dict(state)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +40,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def main_trace(root):
-    return trace_run(root / "main", CONFIG, *MAIN)
+    return trace_run(root / "main", CONFIG, *MAIN, setup=_wide_bounds)
 
 
 def _response(mb: dict) -> torch.Tensor:
