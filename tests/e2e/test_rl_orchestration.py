@@ -87,8 +87,8 @@ def test_mismatch_metrics_compare_old_with_rollout_logprobs(main_trace):
     """mismatch/* is trainer (theta_old) vs engine on every response token of the step, whatever
     the mini-batch's current log-probs are (they moved after the first update)."""
     for step in main_trace.steps:
-        diffs = torch.cat([(e.data["mb"]["old_logprobs"] - e.data["mb"]["rollout_logprobs"]).double()[_response(e.data["mb"])]
-                           for e in step.of("loss")])
+        diffs = torch.cat([(e.data["mb"]["old_logprobs"].double() - e.data["mb"]["rollout_logprobs"].double())
+                           [_response(e.data["mb"])] for e in step.of("loss")])
         assert step.metrics["mismatch/abs_logprob_diff"] == pytest.approx(float(diffs.abs().mean()), rel=1e-9)
         assert step.metrics["mismatch/token_mult_prob_error"] == pytest.approx(float(diffs.abs().exp().mean()), rel=1e-9)
         assert float(diffs.abs().max()) > 0  # FP8 rollout vs FP8 trainer: a real mismatch to measure
