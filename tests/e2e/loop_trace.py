@@ -179,9 +179,10 @@ def _grpo(rewards: list[float], n: int) -> list[float]:
 
 
 def check_sample_flow(trace: Trace, step: Step) -> list[float]:
-    """Assert that every response this rank drew in `step` was trained exactly once, with the reward
-    of its own prompt's answer (reward fn called here), its group's GRPO advantage, and its tokens,
-    mask and rollout log-probs as generated. Returns this rank's rewards."""
+    """Assert that every response this rank drew in `step` was trained exactly once (none of a group
+    that dynamic sampling drops), with the reward of its own prompt's answer (reward fn called
+    here), its group's GRPO advantage, and its tokens, mask and rollout log-probs as generated.
+    Returns this rank's rewards."""
     n = trace.cfg.rollout.n_samples_per_prompt
     answers = {tuple(item.prompt_ids): item.answer for item in trace.dataset}
     reward_fn = get_reward_fn(trace.cfg.reward.name)
@@ -191,7 +192,10 @@ def check_sample_flow(trace: Trace, step: Step) -> list[float]:
     rewards = [reward_fn(t, answers[tuple(s.prompt_ids)]) for t, s in zip(texts, samples)]
     assert score.data["rewards"] == pytest.approx(rewards, abs=0)
     expected: dict[tuple, list] = {}
-    for s, adv in zip(samples, _grpo(rewards, n)):
+    for i, (s, adv) in enumerate(zip(samples, _grpo(rewards, n))):
+        group = rewards[i - i % n: i - i % n + n]
+        if trace.cfg.algo.dynamic_sampling and max(group) == min(group):
+            continue  # DAPO dynamic sampling: the whole group is dropped, never trained
         expected.setdefault(tuple(s.prompt_ids) + tuple(s.response_ids), []).append((s, adv))
     for e in step.of("train"):
         mb = e.data["batch"]
@@ -199,7 +203,9 @@ def check_sample_flow(trace: Trace, step: Step) -> list[float]:
             on = torch.nonzero(mb["loss_mask"][row]).flatten()
             if len(on) == 0:
                 continue  # padding row
-            s, adv = expected[tuple(mb["tokens"][row, : int(on[-1]) + 1].tolist())].pop()
+            key = tuple(mb["tokens"][row, : int(on[-1]) + 1].tolist())
+            assert expected.get(key), "trained a response twice, or one of a dropped group"
+            s, adv = expected[key].pop()
             p, r = len(s.prompt_ids), len(s.response_ids)
             assert on.tolist() == list(range(p, p + r))
             assert mb["rollout_logprobs"][row, p: p + r].tolist() == pytest.approx(s.rollout_logprobs, abs=0)

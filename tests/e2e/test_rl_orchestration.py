@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_rl.rewards import register_reward_fn
+from megatron_rl.rewards.functions import position_match
 
 sys.path.insert(0, str(Path(__file__).parent))
 from loop_trace import check_sample_flow, trace_run  # noqa: E402
@@ -157,6 +158,22 @@ def test_trainer_gets_each_sample_once_with_its_own_reward_and_advantage(main_tr
     advantage of its group, its tokens, mask and rollout log-probs as generated."""
     for step in main_trace.steps:
         check_sample_flow(main_trace, step)
+
+
+def _half_constant_reward(response: str, answer: str) -> float:
+    """0 for every response to a prompt whose answer starts with an even digit (a group dynamic
+    sampling drops), partial credit otherwise (groups it keeps)."""
+    return 0.0 if int(answer[0]) % 2 == 0 else position_match(response, answer)
+
+
+def test_dynamic_sampling_trains_exactly_the_kept_groups(root):
+    register_reward_fn("test_orchestration_half_constant", _half_constant_reward)
+    trace = trace_run(root / "dynamic", CONFIG, "train.num_steps=2", "algo.dynamic_sampling=true",
+                      "reward.name=test_orchestration_half_constant")
+    kept = [s.metrics["dynamic_sampling/kept_frac"] for s in trace.steps]
+    assert any(0 < k < 1 for k in kept), kept  # some groups dropped, some kept: not vacuous
+    for step in trace.steps:
+        check_sample_flow(trace, step)
 
 
 def _constant_reward(response: str, answer: str) -> float:
