@@ -98,11 +98,16 @@ def snapshot(run_) -> dict[str, Any]:
     }
 
 
+def _copy(batch: dict) -> dict:
+    """A snapshot of a batch dict: later phases may write into the one the loop holds."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 class _Spy:
     """Installs the spies on a built run; `pending` collects the events of the running step."""
 
     def __init__(self, run_, trace: Trace) -> None:
-        self.trace, self.pending, self.updates = trace, [], 0
+        self.pending, self.updates = [], 0
         actor, engine = run_.actor, run_.engine
         self.engine = engine
         self._wrap(actor, "compute_logprobs", self._logprobs)
@@ -138,10 +143,10 @@ class _Spy:
 
     def _train(self, real, bound):
         batch, loss_fn = bound.arguments["batch"], bound.arguments["loss_fn"]
-        self._record("train", batch={k: v.clone() for k, v in batch.items()})
+        self._record("train", batch=_copy(batch))
 
         def spied_loss(logprobs, entropy, mb):
-            self._record("loss", logprobs=logprobs.detach().clone(), mb={k: v.clone() for k, v in mb.items()})
+            self._record("loss", logprobs=logprobs.detach().clone(), mb=_copy(mb))
             return loss_fn(logprobs, entropy, mb)
         bound.arguments["loss_fn"] = spied_loss
         result = real(*bound.args, **bound.kwargs)

@@ -112,6 +112,7 @@ def test_calibration_batch_follows_an_update_and_shadow_is_at_theta_old(main_tra
 
 def test_bounds_change_only_on_calibration_steps_and_feed_the_loss(main_trace):
     steps = main_trace.steps
+    assert steps[0].state["controller"]["num_calibrations"] == 1, "step 0's calibration must succeed here"
     counts = [s.state["controller"]["num_calibrations"] + s.state["controller"]["num_skipped"] for s in steps]
     assert counts == [1, 1, 2]
     assert steps[1].state["controller"] == steps[0].state["controller"]  # held between calibrations
