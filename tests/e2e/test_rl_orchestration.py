@@ -181,22 +181,48 @@ def _constant_reward(response: str, answer: str) -> float:
     return 0.5
 
 
-def test_skipped_step_leaves_everything_untouched(root):
-    """Dynamic sampling drops every group (equal rewards): no forward, no update, no sync, the clip
-    controller keeps its state even on a calibration step, and the prompts are consumed (the cursor
-    moves one batch per step, as on a trained step)."""
+def _nan_weight_after_startup_sync(run_) -> None:
+    """The engine starts from good weights; then one trainer weight turns NaN, so every old
+    log-prob is NaN and the guard must skip each step."""
+    startup_sync = run_.sync.sync
+
+    def sync():
+        metrics = startup_sync()
+        param = next(p for n, p in run_.actor.model[0].named_parameters() if "linear_fc2" in n)
+        with torch.no_grad():
+            param[0, 0] = float("nan")
+        return metrics
+    run_.sync.sync = sync
+
+
+SKIP_CAUSES = {
+    "all_groups_dropped": (("algo.dynamic_sampling=true", "reward.name=test_orchestration_constant"), None),
+    "nonfinite_old_logprobs": ((), _nan_weight_after_startup_sync),
+}
+
+
+@pytest.mark.parametrize("cause", SKIP_CAUSES)
+def test_skipped_step_leaves_everything_untouched(root, cause):
+    """No update, no sync (the engine keeps serving the start-up weights), the clip controller keeps
+    its state even on a calibration step, and the prompts are consumed: the cursor moves one batch
+    per step, as on a trained step. A dynamic-sampling skip needs no trainer forward at all."""
     register_reward_fn("test_orchestration_constant", _constant_reward)
-    trace = trace_run(root / "skipped", CONFIG, "train.num_steps=2", "calib.period=1",
-                      "algo.dynamic_sampling=true", "reward.name=test_orchestration_constant")
+    overrides, setup = SKIP_CAUSES[cause]
+    trace = trace_run(root / cause, CONFIG, "train.num_steps=2", "calib.period=1", *overrides, setup=setup)
     before = trace.initial
     per_step = trace.cfg.data.prompts_per_step
+    assert len({step.state["params"] for step in trace.steps}) == 1
     for index, step in enumerate(trace.steps):
         assert step.metrics["step/skipped"] == 1.0
         assert not [k for k in step.metrics if k.startswith(("sync/", "calib/", "shadow/")) or k == "pg_loss"]
-        assert [e.kind for e in step.events] == ["prompts", "generate", "score"]
+        assert not step.of("train")
+        if cause == "all_groups_dropped":
+            assert [e.kind for e in step.events] == ["prompts", "generate", "score"]
+            assert step.state["params"] == before["params"]
+        else:
+            assert step.metrics["guard/nonfinite_logprobs"] > 0
         s = step.state
-        assert (s["params"], s["optimizer"], s["controller"]) == (before["params"], before["optimizer"],
-                                                                 before["controller"])
+        assert (s["optimizer"], s["controller"]) == (before["optimizer"], before["controller"])
         assert s["engine_version"] == s["sync_version"] == 1  # the start-up sync only
         assert s["engine_sums"] == before["trainer_sums"]
         assert s["loader"]["position"] == (index + 1) * per_step
