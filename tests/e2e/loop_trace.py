@@ -84,14 +84,15 @@ def _optimizer_tensors(state, prefix: str = ""):
 
 
 def snapshot(run_) -> dict[str, Any]:
-    """What a step may change: controller, data cursor, engine, trainer weights and optimizer."""
+    """What a step may change: controller, data cursor, engine, trainer weights and optimizer.
+    Collective under TP / PP (the weight export gathers): every rank takes it at the same point."""
     sent = quantize_for_rollout(run_.actor.export_hf_weights(), run_.sync.quant)
     return {
         "controller": dict(run_.controller.state_dict()),
         "loader": dict(run_.loader.state_dict()),
         "sync_version": run_.sync.version,
-        "engine_version": run_.engine.weight_version,
-        "engine_sums": run_.engine.checksum(),
+        "engine_version": None if run_.engine is None else run_.engine.weight_version,
+        "engine_sums": None if run_.engine is None else run_.engine.checksum(),
         "trainer_sums": {n: tensor_digest(t) for n, t in sent},
         "params": digest_tensors(p for c in run_.actor.model for p in c.named_parameters()),
         "optimizer": digest_tensors(_optimizer_tensors(run_.actor.optimizer.state_dict())),
@@ -112,7 +113,8 @@ class _Spy:
         self.engine = engine
         self._wrap(actor, "compute_logprobs", self._logprobs)
         self._wrap(actor, "train_step", self._train)
-        self._wrap(engine, "generate", self._generate)
+        if engine is not None:  # the engine rank only (TP rank 0 and PP rank 0)
+            self._wrap(engine, "generate", self._generate)
         self._wrap(run_.rewards, "score", self._score)
         self._wrap(run_.loader, "next_batch", self._prompts)
         logger_log = run_.logger.log
