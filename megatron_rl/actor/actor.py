@@ -24,6 +24,7 @@ from megatron_rl.actor import weights
 from megatron_rl.actor.batch import split_micro_batches, validate_batch
 from megatron_rl.actor.forward import LossFn, compute_device, make_forward_step, unwrap_model
 from megatron_rl.actor.parallel import ParallelInfo
+from megatron_rl.actor.settings import ResolvedSettings, plain_settings
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_config import ModelSpec
 from megatron_rl.models.layer_spec import te_available
@@ -35,7 +36,7 @@ class MegatronActor:
 
     def __init__(self, spec: ModelSpec, parallel: ParallelInfo, model: list[torch.nn.Module],
                  optimizer, config, *, clip_grad: float, fp8_recipe: Any = None,
-                 use_te: bool = False) -> None:
+                 use_te: bool = False, settings: ResolvedSettings | None = None) -> None:
         self.spec = spec
         self.parallel = parallel
         self.model = model
@@ -45,6 +46,7 @@ class MegatronActor:
         self.clip_grad = clip_grad
         self.fp8_recipe = fp8_recipe
         self.use_te = use_te
+        self.settings = settings or plain_settings(parallel.tp_size, parallel.pp_size)
         self.inv_freq = rope_inv_freq(spec)
         self.layer_offset = _layer_offset(config, parallel)
         self._params = weights.global_params(model, self.layer_offset)
@@ -54,7 +56,8 @@ class MegatronActor:
               fp8_recipe: Any = None, lr: float = 1e-5, weight_decay: float = 0.0,
               adam_betas: tuple[float, float] = (0.9, 0.999), clip_grad: float = 1.0,
               seed: int = 0, params_dtype: torch.dtype = torch.float32,
-              use_te: bool | None = None, load_weights: bool = True) -> "MegatronActor":
+              use_te: bool | None = None, load_weights: bool = True,
+              settings: ResolvedSettings | None = None) -> "MegatronActor":
         """Build this rank's model stage and optimizer.
 
         Args:
@@ -63,21 +66,26 @@ class MegatronActor:
             parallel: from init_parallel().
             clip_grad: max global grad norm (0 disables clipping; the norm is still reported).
             use_te: force the TE / local layer spec (default: TE when it imports and CUDA is on).
+            settings: resolve_settings() of a run config (params dtype, layer spec, distributed
+                optimizer, SP, recompute); it overrides params_dtype and use_te. None: plain
+                settings (every scale feature off) from params_dtype and use_te.
         """
         if clip_grad < 0 or not math.isfinite(clip_grad):
             raise ValueError(f"clip_grad={clip_grad} must be finite and >= 0")
         is_dir = not isinstance(spec_or_hf_dir, ModelSpec)
         spec = ModelSpec.from_hf_config(spec_or_hf_dir) if is_dir else spec_or_hf_dir
-        use_te = te_available() if use_te is None else use_te
+        if settings is None:
+            settings = _settings_from_args(parallel, params_dtype, use_te)
+        use_te = settings.transformer_impl == "transformer_engine"
         te_fp8 = fp8_recipe if use_te and fp8_recipe is not None and fp8_recipe.enabled else None
-        config = _build.build_transformer_config(spec, parallel, params_dtype, te_fp8)
-        model = [_build.build_model(spec, config, parallel, fp8_recipe=fp8_recipe,
-                                    use_te=use_te, seed=seed)]
-        optimizer = _build.build_optimizer(model, lr=lr, weight_decay=weight_decay,
-                                           adam_betas=adam_betas, bf16=config.bf16)
+        config = _build.build_transformer_config(spec, parallel, settings, te_fp8)
+        model = [_build.build_model(spec, config, parallel, settings, fp8_recipe=fp8_recipe,
+                                    seed=seed)]
+        optimizer = _build.build_optimizer(model, settings, lr=lr, weight_decay=weight_decay,
+                                           adam_betas=adam_betas)
         _wire_schedule_hooks(config, model)
         actor = cls(spec, parallel, model, optimizer, config, clip_grad=clip_grad,
-                    fp8_recipe=fp8_recipe, use_te=use_te)
+                    fp8_recipe=fp8_recipe, use_te=use_te, settings=settings)
         if is_dir and load_weights:
             actor.load_hf(spec_or_hf_dir)
         return actor
@@ -101,6 +109,13 @@ class MegatronActor:
         if isinstance(named_tensors, dict):
             named_tensors = named_tensors.items()
         weights.load_hf_tensors(self._params, named_tensors, self.spec, self.parallel)
+        self._reload_main_params()
+
+    def _reload_main_params(self) -> None:
+        """After writing model weights: the FP32 main params (BF16 mixed precision, distributed
+        optimizer) are copies taken when the optimizer was built; refresh them from the model."""
+        if self.settings.bf16 or self.settings.use_distributed_optimizer:
+            self.optimizer.reload_model_params()
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors of this PP stage, TP shards all-gathered one parameter at a time.
@@ -260,6 +275,18 @@ class MegatronActor:
             raise ValueError(f"checkpoint {ckpt_dir} lacks {len(fatal)} model tensors, first: {fatal[:3]}")
         state = dist_checkpointing.load({k: v for k, v in wanted.items() if k not in missing}, str(ckpt_dir))
         unwrap_model(self.model[0]).load_state_dict(state, strict=not missing)
+        self._reload_main_params()
+
+def _settings_from_args(parallel: ParallelInfo, params_dtype: torch.dtype,
+                        use_te: bool | None) -> ResolvedSettings:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if params_dtype not in names:
+        raise ValueError(f"params_dtype={params_dtype} is not supported (float32 or bfloat16)")
+    use_te = te_available() if use_te is None else use_te
+    return plain_settings(parallel.tp_size, parallel.pp_size, params_dtype=names[params_dtype],
+                          transformer_impl="transformer_engine" if use_te else "local",
+                          cuda=torch.cuda.is_available())
+
 
 def _layer_offset(config, parallel: ParallelInfo) -> int:
     """Global index of this stage's first layer (layers split evenly over PP stages)."""

@@ -44,6 +44,9 @@ PATCHED_MODULES = {
     "megatron.core.optimizer.optimizer": "optimizer scalars",
     # get_grad_norm_fp32 / count_zeros_fp32: torch.zeros(device='cuda') (clip_grads.py:90-115, 207).
     "megatron.core.optimizer.clip_grads": "grad norm",
+    # DistributedOptimizer: shard buffers device=torch.cuda.current_device() (distrib_optimizer.py:
+    # 791) and the checkpoint gather buffers (distrib_optimizer.py:1077).
+    "megatron.core.optimizer.distrib_optimizer": "distributed optimizer buffers",
     # dist_checkpointing save: torch.cuda.synchronize() (fully_parallel.py:272, 281,
     # filesystem_async.py:230, async_utils.py:212) and flag tensors on the current device
     # (state_dict_saver.py:204, 252; async_utils.py:165, 604).
@@ -140,24 +143,46 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm: float, total_norm: float,
             grad.detach().mul_(clip_coeff)
 
 
-def _tensor_cuda_is_identity(method):
-    """Runs `method` with Tensor.cuda() returning the tensor itself, restored afterwards.
+def _swap_tensor_method(name: str, replacement, method):
+    """Runs `method` with torch.Tensor.<name> replaced, restored afterwards (also on error).
 
-    Serves LanguageModule.setup_embeddings_and_output_layer: `weight.data = weight.data.cuda()`
-    before the embedding-group all-reduce of tied embeddings with PP > 1 (language_module.py:244).
-    A Tensor method cannot be redirected per module, so it is swapped only for this call.
+    A Tensor method cannot be redirected per module, so it is swapped only for the wrapped call.
     """
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self
+        original = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, replacement(original))
         try:
             return method(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = original
+            setattr(torch.Tensor, name, original)
 
     return wrapped
+
+
+def _tensor_cuda_is_identity(method):
+    """LanguageModule.setup_embeddings_and_output_layer: `weight.data = weight.data.cuda()` before
+    the embedding-group all-reduce of tied embeddings with PP > 1 (language_module.py:244)."""
+    return _swap_tensor_method("cuda", lambda original: lambda self, *a, **k: self, method)
+
+
+def _cpu_type_reads_as_cuda(method):
+    """The mixed-precision optimizers sort parameters by `param.type()` against CUDA type names
+    only ('torch.cuda.BFloat16Tensor', 'torch.cuda.FloatTensor'; optimizer.py:671-701,
+    distrib_optimizer.py:361-437 and 582) and raise TypeError for anything else. Inside their
+    constructors a CPU tensor's no-argument type() reads as the CUDA name of the same dtype."""
+
+    def replacement(original):
+        def type_(self, *args, **kwargs):
+            name = original(self, *args, **kwargs)
+            if args or kwargs or self.is_cuda or not isinstance(name, str):
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        return type_
+
+    return _swap_tensor_method("type", replacement, method)
 
 
 def apply_cpu_compat() -> bool:
@@ -178,6 +203,9 @@ def apply_cpu_compat() -> bool:
     random._set_cuda_rng_state = _set_rng_state_cpu
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    for cls in (optimizer.Float16OptimizerWithFloat16Params,
+                importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer):
+        cls.__init__ = _cpu_type_reads_as_cuda(cls.__init__)
     language_module = importlib.import_module(
         "megatron.core.models.common.language_module.language_module")
     module_cls = language_module.LanguageModule
