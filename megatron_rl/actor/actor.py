@@ -111,6 +111,15 @@ class MegatronActor:
         weights.load_hf_tensors(self._params, named_tensors, self.spec, self.parallel)
         self._reload_main_params()
 
+    def finish_param_sync(self) -> None:
+        """Complete the distributed optimizer's parameter all-gather before weights are read
+        outside a forward (export, weight sync, checkpoint). With overlap_param_gather the step
+        leaves it to the next forward's pre-hooks (distributed_data_parallel.py:384-418), so until
+        then each rank holds fresh values only for its own shard."""
+        if self.settings.overlap_param_gather:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
     def _reload_main_params(self) -> None:
         """After writing model weights: the FP32 main params (BF16 mixed precision, distributed
         optimizer) are copies taken when the optimizer was built; refresh them from the model."""
@@ -122,6 +131,7 @@ class MegatronActor:
 
         Collective over the TP group: every TP rank must consume the whole iterator.
         """
+        self.finish_param_sync()
         return weights.export_hf_tensors(self._params, self.spec, self.parallel)
 
     # ---- forward / backward --------------------------------------------------------------
@@ -239,14 +249,23 @@ class MegatronActor:
         optimizer has no exp_avg / exp_avg_sq yet, and without placeholders they are not loaded.
         """
         model_sd = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
-        return {"model": model_sd,
-                "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        if is_loading:
+            _build.materialize_adam_state(self.optimizer)
+        metadata = None
+        if self.settings.use_distributed_optimizer:
+            # dp_reshardable: each rank writes its own optimizer shard (no gather; fully parallel)
+            # and a load at another DP size re-slices it (distrib_optimizer.py:1539-1580). The
+            # default model-space format needs flattened ShardedTensors, which 0.16 refuses.
+            metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=metadata)}
 
     def save_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Megatron distributed checkpoint of model + optimizer into an existing empty folder
         (collective over all ranks; the caller makes it atomic by writing then renaming)."""
         from megatron.core import dist_checkpointing
 
+        self.finish_param_sync()
         dist_checkpointing.save(self.sharded_state_dict(), str(ckpt_dir))
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, model_only: bool = False) -> None:
@@ -265,7 +284,8 @@ class MegatronActor:
         if not model_only:
             state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir))
             unwrap_model(self.model[0]).load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            with torch.no_grad():  # FP32 params: the distributed optimizer's shards are views
+                self.optimizer.load_state_dict(state["optimizer"])  # of the model's leaves
             return
         wanted = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
         stored = load_sharded_metadata(str(ckpt_dir))

@@ -10,7 +10,7 @@ import torch
 from megatron_rl.actor.parallel import ParallelInfo
 from megatron_rl.actor.settings import ResolvedSettings
 from megatron_rl.models.hf_config import ModelSpec, gpt_model_kwargs, transformer_config_kwargs
-from megatron_rl.models.layer_spec import build_layer_spec
+from megatron_rl.models.layer_spec import build_block_spec, build_layer_spec
 
 PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -73,7 +73,7 @@ def build_model(spec: ModelSpec, config, parallel: ParallelInfo, settings: Resol
     model_parallel_cuda_manual_seed(seed)
     use_te = settings.transformer_impl == "transformer_engine"
     layer_spec = build_layer_spec(spec, fp8_recipe=fp8_recipe, use_te=use_te)
-    model = GPTModel(config, layer_spec, pre_process=parallel.is_first_stage,
+    model = GPTModel(config, build_block_spec(layer_spec, config, use_te), pre_process=parallel.is_first_stage,
                      post_process=parallel.is_last_stage, **gpt_model_kwargs(spec))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -105,6 +105,24 @@ def build_optimizer(model_chunks: list[torch.nn.Module], settings: ResolvedSetti
                              use_distributed_optimizer=settings.use_distributed_optimizer,
                              overlap_param_gather=settings.overlap_param_gather)
     return get_megatron_optimizer(config, model_chunks)
+
+
+def materialize_adam_state(optimizer) -> None:
+    """Give every parameter of a fresh optimizer zero Adam state, `step` included, before a load.
+
+    Without TE/apex the distributed optimizer reads the step out of torch Adam's per-param state
+    (distrib_optimizer.py:640-643, an assert that it exists); Megatron's init_state_fn only makes
+    exp_avg / exp_avg_sq. The checkpoint then overwrites all of it in place.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
 
 
 def set_lr(optimizer, lr: float) -> None:

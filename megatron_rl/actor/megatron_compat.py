@@ -25,6 +25,11 @@ PATCHED_MODULES = {
     # torch.cuda.manual_seed() (random.py:235-238, 422); the tracker's fork() runs around
     # every attention dropout (dot_product_attention.py:217), even at p=0.
     "megatron.core.tensor_parallel.random": "RNG tracker",
+    # Sequence parallel: the gather / reduce-scatter outputs device=torch.cuda.current_device()
+    # (mappings.py:91-181, 442) and the backward's all-gather buffer of the input
+    # (layers.py:552, 597).
+    "megatron.core.tensor_parallel.mappings": "SP gather/scatter buffers",
+    "megatron.core.tensor_parallel.layers": "SP backward buffers",
     # GlobalMemoryBuffer.get_tensor: torch.empty(device=torch.cuda.current_device()) (utils.py:631),
     # the attention-score buffer of DotProductAttention; local_multi_tensor_l2_norm:
     # torch.tensor(device="cuda") (utils.py:1207), the grad-norm fallback without apex/TE.
