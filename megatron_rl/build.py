@@ -184,9 +184,23 @@ def log_actor_settings(cfg: RunConfig, settings, parallel) -> None:
         (Path(cfg.log.dir) / "actor_settings.json").write_text(json.dumps(info, indent=1))
 
 
-def build_run(cfg: RunConfig) -> Run:
+def build_actor(cfg: RunConfig, settings, parallel, model_dir: Path):
+    """The actor from its HF folder (or the model.megatron_ckpt weights), after the start line."""
     from megatron_rl.actor.actor import MegatronActor
+
+    log_actor_settings(cfg, settings, parallel)
+    t = cfg.train
+    actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
+                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed,
+                                load_weights=not cfg.model.megatron_ckpt, settings=settings)
+    if cfg.model.megatron_ckpt:
+        actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
+    return actor
+
+
+def build_run(cfg: RunConfig) -> Run:
     from megatron_rl.actor.parallel import init_parallel
+    from megatron_rl.actor.quiet import megatron_quiet
     from megatron_rl.checkpoint import Checkpointer
     from megatron_rl.sync.quantize import RolloutQuantSpec
     from megatron_rl.sync.weight_sync import WeightSync
@@ -195,18 +209,15 @@ def build_run(cfg: RunConfig) -> Run:
 
     torch.manual_seed(cfg.train.seed)
     settings = build_actor_settings(cfg)
-    parallel = init_parallel(cfg.parallel.tensor_model_parallel_size,
-                             cfg.parallel.pipeline_model_parallel_size, seed=cfg.train.seed)
+    with megatron_quiet():
+        parallel = init_parallel(cfg.parallel.tensor_model_parallel_size,
+                                 cfg.parallel.pipeline_model_parallel_size, seed=cfg.train.seed)
     model_dir = build_model_dir(cfg, parallel)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     loader = build_data(cfg, tokenizer, parallel)
     t = cfg.train
-    log_actor_settings(cfg, settings, parallel)
-    actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
-                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed,
-                                load_weights=not cfg.model.megatron_ckpt, settings=settings)
-    if cfg.model.megatron_ckpt:
-        actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
+    with megatron_quiet():
+        actor = build_actor(cfg, settings, parallel, model_dir)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
     sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),

@@ -15,9 +15,11 @@ import contextlib
 import functools
 import importlib
 import types
+from importlib.metadata import version as installed_version
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 # Megatron module -> the call sites (file:line in megatron-core 0.16.1) the stand-in serves.
 PATCHED_MODULES = {
@@ -61,6 +63,10 @@ PATCHED_MODULES = {
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "checkpoint flags",
     "megatron.core.dist_checkpointing.exchange_utils": "checkpoint exchange buffers",
 }
+
+# The megatron-core versions this layer (and the actor built on it) is tested with; setup.py pins
+# the same range. Others are refused at start rather than failing deep inside a train step.
+TESTED_MEGATRON = ("0.16.1", "0.17")  # >= first, < second
 
 _CPU = torch.device("cpu")
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "empty_like", "zeros_like", "ones_like",
@@ -190,12 +196,22 @@ def _cpu_type_reads_as_cuda(method):
     return _swap_tensor_method("type", replacement, method)
 
 
-def apply_cpu_compat() -> bool:
-    """Install the CPU stand-ins into Megatron-Core; idempotent. Returns True if active.
+def check_megatron_version(version: str | None = None) -> None:
+    """Refuse a megatron-core outside TESTED_MEGATRON with the fix (version: the installed one)."""
+    version = installed_version("megatron-core") if version is None else version
+    low, high = TESTED_MEGATRON
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(f"megatron-core {version} is untested with megatron_rl, which supports "
+                           f">={low},<{high} (its CPU layer and actor follow that source); "
+                           f"pip install 'megatron-core>={low},<{high}'")
 
-    No-op (returns False) when CUDA is available.
+
+def apply_cpu_compat() -> bool:
+    """Check the megatron-core version, then install the CPU stand-ins into Megatron-Core;
+    idempotent. Returns True if active. The stand-ins are skipped (returns False) with CUDA.
     """
     global _applied
+    check_megatron_version()
     if torch.cuda.is_available():
         return False
     if _applied:
