@@ -53,6 +53,7 @@ class Run:
             self.checkpointer.save(self, step + 1)
 
     def finish(self) -> None:
+        self.checkpointer.wait()  # an async save in flight is published before the run ends
         self.logger.close()
         if self.is_log_rank:
             log.info("summary\n%s", self.logger.summary())
@@ -222,7 +223,8 @@ def build_run(cfg: RunConfig) -> Run:
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
     sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
-    checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir)
+    checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
+                                async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
     logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
                            total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0)

@@ -260,13 +260,35 @@ class MegatronActor:
         return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=metadata)}
 
-    def save_checkpoint(self, ckpt_dir: str | Path) -> None:
+    def save_checkpoint(self, ckpt_dir: str | Path, *, async_save: bool = False):
         """Megatron distributed checkpoint of model + optimizer into an existing empty folder
-        (collective over all ranks; the caller makes it atomic by writing then renaming)."""
+        (collective over all ranks; the caller makes it atomic by writing then renaming).
+
+        Fully parallel: the replicas of each tensor (over DP) split the writing between them.
+        async_save=True returns Megatron's AsyncRequest (the files are written by a background
+        process once the caller schedules it; the tensors are already staged); else None.
+        """
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
 
         self.finish_param_sync()
-        dist_checkpointing.save(self.sharded_state_dict(), str(ckpt_dir))
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                                    self.parallel.dp_group)
+        return dist_checkpointing.save(self.sharded_state_dict(), str(ckpt_dir),
+                                       sharded_strategy=strategy, async_sharded_save=async_save)
+
+    def _load_strategy(self, ckpt_dir: str | Path):
+        """Fully parallel load: the DP replicas read disjoint parts and exchange them."""
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
+
+        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(ckpt_dir)),
+                                                self.parallel.dp_group)
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, model_only: bool = False) -> None:
         """Restore model + optimizer from `save_checkpoint` (any TP/PP layout Megatron can reshard).
@@ -282,7 +304,8 @@ class MegatronActor:
         if not Path(ckpt_dir).is_dir():
             raise ValueError(f"checkpoint folder not found: {ckpt_dir}")
         if not model_only:
-            state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir))
+            state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir),
+                                            sharded_strategy=self._load_strategy(ckpt_dir))
             unwrap_model(self.model[0]).load_state_dict(state["model"])
             with torch.no_grad():  # FP32 params: the distributed optimizer's shards are views
                 self.optimizer.load_state_dict(state["optimizer"])  # of the model's leaves

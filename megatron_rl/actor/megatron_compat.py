@@ -227,6 +227,11 @@ def apply_cpu_compat() -> bool:
     for cls in (optimizer.Float16OptimizerWithFloat16Params,
                 importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer):
         cls.__init__ = _cpu_type_reads_as_cuda(cls.__init__)
+    # Fully parallel load: the broadcast / gather-rounds exchanges move every loaded shard to
+    # the GPU for NCCL with `.cuda()` (exchange_utils.py:336, 499) and back to its device after.
+    exchange = importlib.import_module("megatron.core.dist_checkpointing.exchange_utils")
+    for name in ("exchange_loaded_tensors_broadcast", "exchange_loaded_tensors_gather_rounds"):
+        setattr(exchange, name, _tensor_cuda_is_identity(getattr(exchange, name)))
     language_module = importlib.import_module(
         "megatron.core.models.common.language_module.language_module")
     module_cls = language_module.LanguageModule

@@ -9,6 +9,7 @@ One launch runs every layout (imports dominate the cost); the references run in 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,20 +69,47 @@ def train(actor, parallel, seeds) -> list[dict]:
 DIST_OPT = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
 
 
+def rl_run(parallel, actor):
+    """What the Checkpointer saves of a run: the actor and the (real) RL state holders."""
+    from megatron_rl.algo.calibrated_clip import CalibratedClipController
+    from megatron_rl.data.char_tokenizer import build_char_tokenizer
+    from megatron_rl.data.datasets import PromptDataset
+    from megatron_rl.data.loader import PromptLoader
+    from megatron_rl.data.tasks import make_task_dataset
+
+    dataset = PromptDataset.from_records(make_task_dataset("sort", 64, seed=0), build_char_tokenizer(),
+                                         prompt_key="prompt", answer_key="answer", max_prompt_len=32)
+    return SimpleNamespace(parallel=parallel, actor=actor, loader=PromptLoader(dataset, 8, seed=0),
+                           controller=CalibratedClipController(0.2, 0.2, period=2),
+                           sync=SimpleNamespace(version=0))
+
+
 def dp_run(parallel, hf_dir: str, ckpt_dir: str | None, resume_from: str | None) -> dict:
-    """Two steps (and a checkpoint), then a third; or: resume, then the third."""
+    """Two steps (and an async checkpoint at step 2), then a third; or: resume, then the third."""
     from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.checkpoint import Checkpointer
 
     settings = settings_for(parallel, **DIST_OPT)
     actor = MegatronActor.build(hf_dir, parallel=parallel, lr=LR, settings=settings)
+    run = rl_run(parallel, actor)
     result = {}
     if resume_from is None:
         result["steps"] = train(actor, parallel, (1, 2))
         result["exported"] = dict(actor.export_hf_weights())
         if ckpt_dir is not None:
-            actor.save_checkpoint(ckpt_dir)
+            run.loader.next_batch()
+            run.sync.version = 3
+            torch.manual_seed(100 + parallel.rank)  # a distinct RNG state per rank
+            checkpointer = Checkpointer(ckpt_dir, async_save=True)
+            checkpointer.save(run, 2)
+            result["torch_rng"] = torch.get_rng_state()
+            checkpointer.wait()
     else:
-        actor.load_checkpoint(resume_from)
+        torch.manual_seed(123)  # a different RNG state, which the resume must replace
+        result["resumed_step"] = Checkpointer(resume_from).load_latest(run)
+        result["torch_rng"] = torch.get_rng_state()
+        result["sync_version"] = run.sync.version
+    result["next_prompts"] = [item.index for item in run.loader.next_batch()]
     result["later"] = train(actor, parallel, (3,))
     return result
 
@@ -158,11 +186,19 @@ def test_distributed_optimizer_dp2_matches_dp1(distributed, hf_dir, single_paral
 
 
 def test_dp2_checkpoint_resumes_at_dp2_and_dp1(distributed, hf_dir, ckpt_dir, single_parallel):
-    later = distributed[0]["dp2"]["later"]
-    for rank in range(2):
-        assert_steps_close(distributed[rank]["dp2_resumed"]["later"], later)
+    """Async, fully parallel save at DP=2; the RL state (loader position, sync version, RNG) and
+    the sharded optimizer state come back at DP=2 and at DP=1: the next step is the same."""
+    assert (ckpt_dir / "latest").read_text() == "2" and (ckpt_dir / "step_000002" / "rl_state.pt").is_file()
+    saved = distributed[0]["dp2"]
     at_dp1 = dp_run(single_parallel, hf_dir, None, str(ckpt_dir))
-    assert_steps_close(at_dp1["later"], later)
+    # (resumed, the rank whose RNG it must have): at DP=1 the single rank takes rank 0's
+    cases = [(distributed[0]["dp2_resumed"], 0), (distributed[1]["dp2_resumed"], 1), (at_dp1, 0)]
+    assert not torch.equal(distributed[0]["dp2"]["torch_rng"], distributed[1]["dp2"]["torch_rng"])
+    for resumed, rank in cases:
+        assert resumed["resumed_step"] == 2 and resumed["sync_version"] == 2  # re-published at start
+        assert resumed["next_prompts"] == saved["next_prompts"]
+        assert torch.equal(resumed["torch_rng"], distributed[rank]["dp2"]["torch_rng"])
+        assert_steps_close(resumed["later"], saved["later"])
 
 
 def test_tp2_sequence_parallel_matches_tp1(distributed, hf_dir, single_parallel):
