@@ -62,6 +62,7 @@ class Run:
                 png = plot_runs({Path(self.cfg.log.dir).name: self.logger.history},
                                 Path(self.cfg.log.dir) / "curves.png",
                                 title=f"{self.cfg.precision.train_recipe} "
+                                      f"params={self.actor.settings.params_dtype} "
                                       f"calib={'on' if self.cfg.calib.enabled else 'off'}")
                 log.info("curves written to %s", png)
         if self.engine is not None:
