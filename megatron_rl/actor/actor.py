@@ -175,7 +175,8 @@ class MegatronActor:
         outputs = self._run_schedule(step, micro_batches, forward_only=False)
         grad_norm, updated = self._optimizer_step()
         reduced = self._objects_from_last_stage(
-            [{"loss": o["loss"], "metrics": o["metrics"]} for o in outputs])
+            [{"loss": o["loss"].cpu(), "metrics": {k: v.cpu() for k, v in o["metrics"].items()}}
+             for o in outputs])
         return {"grad_norm": grad_norm, "lr": self.lr, "skipped": not updated,
                 "loss": float(sum(float(r["loss"]) for r in reduced)),
                 "metrics": [r["metrics"] for r in reduced]}
