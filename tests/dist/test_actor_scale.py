@@ -9,33 +9,20 @@ One launch runs every layout (imports dominate the cost); the references run in 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from _launch import run_distributed
 
-B, S, MICRO = 4, 12, 2
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+from test_actor_train import B, make_batch, pg_loss  # noqa: E402  (batch and loss of the unit tests)
+
+MICRO = 2
 REL = 1e-5
 LR = 1e-3
-
-
-def make_batch(seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(B, S)
-    mask[:, 4:] = 1.0
-    mask[2, 10:] = 0.0
-    return {"tokens": torch.randint(0, 128, (B, S), generator=gen), "loss_mask": mask,
-            "advantages": torch.randn(B, S, generator=gen)}
-
-
-def loss_fn_for(denominator: float):
-    def loss_fn(logprobs, entropy, mb):
-        mask = mb["loss_mask"]
-        total = -(logprobs * mb["advantages"] * mask).sum() - 0.01 * (entropy * mask).sum()
-        return total / denominator, {"pg": torch.stack([total.detach().double(), mask.sum().double()])}
-
-    return loss_fn
 
 
 def settings_for(parallel, **features):
@@ -58,7 +45,7 @@ def train(actor, parallel, seeds) -> list[dict]:
     for seed in seeds:
         batch = make_batch(seed)
         denom = float(batch["loss_mask"].sum())  # GLOBAL denominator, also under DP
-        step = actor.train_step(my_rows(batch, parallel), loss_fn_for(denom), micro_batch_size=MICRO)
+        step = actor.train_step(my_rows(batch, parallel), pg_loss(denom), micro_batch_size=MICRO)
         loss = torch.tensor([step["loss"]], dtype=torch.float64)
         if parallel.dp_size > 1:
             collectives.all_reduce(loss, parallel.dp_group)

@@ -3,7 +3,7 @@
 import torch
 
 from megatron_rl.actor.actor import MegatronActor
-from tests.unit.test_actor_train import make_batch, pg_loss
+from test_actor_train import make_batch, pg_loss
 
 
 def _main_params(actor) -> dict[str, torch.Tensor]:

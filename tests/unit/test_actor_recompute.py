@@ -9,7 +9,7 @@ import torch
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.settings import plain_settings
 from megatron_rl.fp8 import Fp8Recipe
-from tests.unit.test_actor_train import make_batch, pg_loss
+from test_actor_train import make_batch, pg_loss
 
 MODES = {"selective": ("selective", "uniform", 1), "full_uniform": ("full", "uniform", 1),
          "full_block": ("full", "block", 1)}
