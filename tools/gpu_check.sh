@@ -67,13 +67,13 @@ def check(name):
 
 
 def describe():
-    import megatron.core
+    from importlib.metadata import version
 
     props = torch.cuda.get_device_properties(0)
     results["device"] = {"name": props.name, "capability": list(torch.cuda.get_device_capability()),
                          "memory_gib": round(props.total_memory / 2**30, 1),
                          "torch": torch.__version__, "cuda": torch.version.cuda,
-                         "python": sys.version.split()[0], "megatron_core": megatron.core.__version__}
+                         "python": sys.version.split()[0], "megatron_core": version("megatron-core")}
 
 
 def parallel():

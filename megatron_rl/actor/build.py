@@ -116,6 +116,8 @@ def materialize_adam_state(optimizer) -> None:
     """
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = chained.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue  # TE / apex FusedAdam keep the step in param_groups: nothing to add
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]
