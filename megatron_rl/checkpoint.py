@@ -132,6 +132,23 @@ class Checkpointer:
         return {"step": step, "loader": run.loader.state_dict(), "rng": rngs,
                 "controller": run.controller.state_dict(), "sync_version": run.sync.version}
 
+    @staticmethod
+    def _load_rl_state(folder: Path, parallel) -> dict:
+        """The RL state with `rng` resolved to this rank's (rank 0's where the saved run had
+        fewer ranks). Also reads the older per-rank layout (rl_state_rank<r>.pt, same world size)."""
+        path, legacy = folder / "rl_state.pt", folder / f"rl_state_rank{parallel.rank}.pt"
+        if not path.exists() and legacy.exists():
+            return torch.load(legacy, weights_only=True)
+        if not path.exists():
+            raise ValueError(f"checkpoint {folder} has no rl_state.pt: not a complete checkpoint")
+        state = torch.load(path, weights_only=True)
+        rngs = state["rng"]
+        if len(rngs) != parallel.world_size:
+            log.info("resuming %d saved ranks on %d: ranks without a saved RNG take rank 0's",
+                     len(rngs), parallel.world_size)
+        state["rng"] = rngs[parallel.rank] if parallel.rank < len(rngs) else rngs[0]
+        return state
+
     def load_latest(self, run) -> int:
         """Restore model, optimizer and RL state from the latest checkpoint; returns its step."""
         step = self.latest_step()
@@ -139,18 +156,11 @@ class Checkpointer:
             log.info("no checkpoint under %s: starting from scratch", self.root)
             return 0
         folder = self._dir(step)
-        state_path = folder / "rl_state.pt"
-        if not state_path.exists():
-            raise ValueError(f"checkpoint {folder} has no rl_state.pt: not a complete checkpoint")
+        state = self._load_rl_state(folder, run.parallel)
         run.actor.load_checkpoint(folder / "model")
-        state = torch.load(state_path, weights_only=True)
         run.loader.load_state_dict(state["loader"])
         run.controller.load_state_dict(state["controller"])
-        rngs, rank = state["rng"], run.parallel.rank
-        if len(rngs) != run.parallel.world_size:
-            log.info("resuming %d saved ranks on %d: ranks without a saved RNG take rank 0's",
-                     len(rngs), run.parallel.world_size)
-        _set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+        _set_rng_state(state["rng"])
         run.sync.version = state["sync_version"] - 1  # the start-up sync re-publishes this version
         log.info("resumed from %s (step %d)", folder, step)
         return int(state["step"])

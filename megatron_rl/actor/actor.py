@@ -187,6 +187,11 @@ class MegatronActor:
             # TE's causal attention ignores the block-diagonal mask (it would need THD packing).
             raise ValueError("batch['seq_lens'] (packed rows) needs the local layer spec "
                              "(use_te=False); send padded rows with the TE spec")
+        seq_len, tp = batch["tokens"].shape[1], self.parallel.tp_size
+        if self.settings.sequence_parallel and seq_len % tp:
+            # SP splits the sequence over the TP ranks (mappings.py scatter along dim 0).
+            raise ValueError(f"batch['tokens'] has {seq_len} tokens per row: sequence parallel "
+                             f"needs a multiple of tensor_model_parallel_size={tp}; pad the rows")
 
     def _run_schedule(self, forward_step, micro_batches: list[dict], forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -266,8 +271,9 @@ class MegatronActor:
         (collective over all ranks; the caller makes it atomic by writing then renaming).
 
         Fully parallel: the replicas of each tensor (over DP) split the writing between them.
-        async_save=True returns Megatron's AsyncRequest (the files are written by a background
-        process once the caller schedules it; the tensors are already staged); else None.
+        async_save=True returns Megatron's AsyncRequest, else None. The caller schedules it before
+        the weights change again: scheduling stages the tensors (a device-to-host copy, or on
+        the CPU the fork of the writer process) and the writer works from that copy.
         """
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy

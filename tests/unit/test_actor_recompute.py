@@ -84,3 +84,10 @@ def test_delayed_recompute_replays_scales_across_interleaved_forwards(single_par
     for name, buf in ref_layer.fp8_state.named_buffers():
         assert torch.equal(getattr(layer.fp8_state, name), buf), name
     assert int(layer.fp8_state.num_updates[0]) == 2  # input amax recorded once per forward
+
+
+def test_full_recompute_of_more_layers_than_the_stage_has_is_refused(qwen2_dir, single_parallel):
+    settings = dataclasses.replace(plain_settings(), recompute_granularity="full",
+                                   recompute_method="block", recompute_num_layers=3)
+    with pytest.raises(ValueError, match=r"parallel\.recompute_num_layers.*3 > 2"):
+        MegatronActor.build(qwen2_dir, parallel=single_parallel, settings=settings)
