@@ -2,7 +2,7 @@
 
 Megatron warns at import about missing TE / apex (expected on CPU), logs every DDP bucket's
 parameter list and the whole optimizer config at INFO. The build logs one summary line instead
-(build.log_actor_settings); `--log-level DEBUG` (or logging config) still shows all of it.
+(build.log_actor_settings); the `megatron_rl.megatron` logger at DEBUG still shows all of it.
 Warnings from elsewhere pass through unchanged; Megatron's own WARNING+ log records keep their level.
 """
 
