@@ -13,6 +13,7 @@
 #   4. a real FP8 GEMM through torch._scaled_mm against the emulated quantizers
 #   5. the actor's peak GPU memory for a ~1B random Llama-style model at 4K tokens, recompute
 #      none vs full
+#   and what the default (auto) layer spec does here: TE, or a refusal when TE is missing
 # Prints one JSON object (also written to OUT_DIR/gpu_check.json); a failed step is reported in
 # it with its error and makes the script exit 1.
 set -uo pipefail
@@ -122,6 +123,20 @@ if not torch.cuda.is_available():
     sys.exit(0)
 describe()
 PAR = parallel()
+
+
+@check("te_gate")
+def _():
+    """CUDA defaults to Transformer Engine: a missing TE is refused, not silently replaced."""
+    from megatron_rl.build import build_actor_settings
+    from megatron_rl.config import load_config
+    from megatron_rl.fp8.te_recipe import te_available
+
+    try:
+        chosen = build_actor_settings(load_config(None, [])).transformer_impl
+    except ValueError as err:
+        chosen = f"refused: {err}"
+    return {"te_available": te_available(), "default_layers": chosen}
 
 
 @check("bf16_distributed_optimizer_step")
