@@ -5,7 +5,9 @@ from setuptools import find_packages, setup
 CORE = [
     # CPU-installable core. torch is pinned by the Makefile on CPU machines (see README).
     "torch>=2.6",
-    "megatron-core>=0.16.1",
+    # The tested range: the CPU compatibility layer patches call sites by file:line of 0.16.1 and
+    # actor/megatron_compat.check_megatron_version refuses anything else at start.
+    "megatron-core>=0.16.1,<0.17",
     "transformers>=5.0",
     "safetensors>=0.4",
     "tensorboard>=2.15",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ class Run:
             self.checkpointer.save(self, step + 1)
 
     def finish(self) -> None:
+        self.checkpointer.wait()  # an async save in flight is published before the run ends
         self.logger.close()
         if self.is_log_rank:
             log.info("summary\n%s", self.logger.summary())
@@ -60,6 +62,7 @@ class Run:
                 png = plot_runs({Path(self.cfg.log.dir).name: self.logger.history},
                                 Path(self.cfg.log.dir) / "curves.png",
                                 title=f"{self.cfg.precision.train_recipe} "
+                                      f"params={self.actor.settings.params_dtype} "
                                       f"calib={'on' if self.cfg.calib.enabled else 'off'}")
                 log.info("curves written to %s", png)
         if self.engine is not None:
@@ -155,9 +158,51 @@ def build_controller(cfg: RunConfig):
                                     smoothing=c.smoothing, num_bins=c.num_bins, mode=c.mode)
 
 
-def build_run(cfg: RunConfig) -> Run:
+def build_actor_settings(cfg: RunConfig):
+    """resolve_settings for this machine, then the device gates (TE's environment right and TE
+    present on CUDA, the FP8 recipe supported by the GPU). Runs before Megatron is imported, so
+    the NVTE_* check precedes any TE import."""
+    from megatron_rl.actor.settings import check_device, resolve_settings
+
+    cuda = torch.cuda.is_available()
+    settings = resolve_settings(cfg, cuda=cuda)
+    if settings.transformer_impl == "transformer_engine":
+        from megatron_rl.fp8.te_recipe import require_te
+        require_te(build_fp8_recipe(cfg))
+    check_device(settings, cfg.precision.train_recipe,
+                 torch.cuda.get_device_capability() if cuda else None)
+    return settings
+
+
+def log_actor_settings(cfg: RunConfig, settings, parallel) -> None:
+    """The one start line (what runs where) and its record in the run folder, which labels
+    every result with the dtype and FP8 path it really used."""
+    line = settings.summary(cfg.precision.train_recipe, parallel.dp_size)
+    if parallel.rank == 0:
+        log.info("%s", line)
+        info = {"settings": settings.to_dict(), "train_recipe": cfg.precision.train_recipe,
+                "dp_size": parallel.dp_size, "summary": line}
+        Path(cfg.log.dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.log.dir) / "actor_settings.json").write_text(json.dumps(info, indent=1))
+
+
+def build_actor(cfg: RunConfig, settings, parallel, model_dir: Path):
+    """The actor from its HF folder (or the model.megatron_ckpt weights), after the start line."""
     from megatron_rl.actor.actor import MegatronActor
+
+    log_actor_settings(cfg, settings, parallel)
+    t = cfg.train
+    actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
+                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed,
+                                load_weights=not cfg.model.megatron_ckpt, settings=settings)
+    if cfg.model.megatron_ckpt:
+        actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
+    return actor
+
+
+def build_run(cfg: RunConfig) -> Run:
     from megatron_rl.actor.parallel import init_parallel
+    from megatron_rl.actor.quiet import megatron_quiet
     from megatron_rl.checkpoint import Checkpointer
     from megatron_rl.sync.quantize import RolloutQuantSpec
     from megatron_rl.sync.weight_sync import WeightSync
@@ -165,22 +210,22 @@ def build_run(cfg: RunConfig) -> Run:
     from transformers import AutoTokenizer
 
     torch.manual_seed(cfg.train.seed)
-    parallel = init_parallel(cfg.parallel.tensor_model_parallel_size,
-                             cfg.parallel.pipeline_model_parallel_size, seed=cfg.train.seed)
+    settings = build_actor_settings(cfg)
+    with megatron_quiet():
+        parallel = init_parallel(cfg.parallel.tensor_model_parallel_size,
+                                 cfg.parallel.pipeline_model_parallel_size, seed=cfg.train.seed)
     model_dir = build_model_dir(cfg, parallel)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     loader = build_data(cfg, tokenizer, parallel)
     t = cfg.train
-    actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
-                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed,
-                                load_weights=not cfg.model.megatron_ckpt)
-    if cfg.model.megatron_ckpt:
-        actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
+    with megatron_quiet():
+        actor = build_actor(cfg, settings, parallel, model_dir)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
     sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
-    checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir)
+    checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
+                                async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
     logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
                            total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0)

@@ -5,13 +5,22 @@ Layout::
     checkpoints/
       latest                    # text: the newest complete step, replaced atomically
       step_000010/
-        model/                  # megatron.core.dist_checkpointing (torch_dist), any TP/PP
-        rl_state_rank0.pt       # step, data position, RNG states, clip controller, sync version
+        model/                  # megatron.core.dist_checkpointing (torch_dist), any TP/PP/DP
+        rl_state.pt             # step, data position, clip controller, sync version, RNG per rank
         hf/                     # config.json + tokenizer: tools/convert_megatron_to_hf.py needs no flags
         ...
 
 A step folder is written as `step_000010.tmp` and renamed only when every rank has finished, so
 a kill mid-save leaves the previous checkpoint as the latest one and no folder that looks complete.
+
+The RL state does not depend on the world size (the loader, controller and sync version are the
+same on every rank; each rank's RNG state is kept by rank), so a run resumes at another DP size:
+there each rank restores the RNG of the same rank if the saved run had one, else rank 0's.
+
+Async save (checkpoint.async_save): the model folder is written by a background process; the
+rename and the `latest` marker happen when it has finished on every rank. `wait()` blocks until
+then; save() calls it first (one save in flight at most), as must anything that frees or moves
+the trainer's memory (offload) and the end of the run.
 """
 
 from __future__ import annotations
@@ -51,9 +60,12 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, hf_dir: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path, hf_dir: str | Path | None = None, *,
+                 async_save: bool = False) -> None:
         self.root = Path(root)
         self.hf_dir = Path(hf_dir) if hf_dir else None
+        self.async_save = async_save
+        self._queue = None  # megatron AsyncCallsQueue, made at the first async save
 
     def _copy_hf_files(self, folder: Path) -> None:
         if self.hf_dir is None:
@@ -71,15 +83,39 @@ class Checkpointer:
         return self.root / f"step_{step:06d}"
 
     def save(self, run, step: int) -> Path:
-        """Collective: every rank writes its part; rank 0 publishes the folder atomically."""
+        """Collective: every rank writes its part; rank 0 publishes the folder atomically (at
+        once, or when the background write of an async save has finished everywhere)."""
+        self.wait()
         final, tmp = self._dir(step), self._dir(step).with_name(self._dir(step).name + ".tmp")
         rank = run.parallel.rank
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "model").mkdir(parents=True)
         _barrier()
-        run.actor.save_checkpoint(tmp / "model")
-        torch.save(self._rl_state(run, step), tmp / f"rl_state_rank{rank}.pt")
+        request = run.actor.save_checkpoint(tmp / "model", async_save=self.async_save)
+        rngs = collectives.gather_objects(_rng_state(), 0, None)  # every rank's, in rank order
+        if rank == 0:
+            torch.save(self._rl_state(run, step, rngs), tmp / "rl_state.pt")
+        if request is None:
+            _barrier()
+            self._publish(rank, step)
+            return final
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        # Megatron's finalize (metadata, after gathering every rank's write results) runs first,
+        # then the publish, on every rank (async_utils.py:574-609).
+        request.add_finalize_fn(lambda: self._publish(rank, step))
+        self._queue = self._queue or AsyncCallsQueue()
+        self._queue.schedule_async_request(request)
+        return final
+
+    def wait(self) -> None:
+        """Finish (and publish) an async save in flight; collective, a no-op when none is."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def _publish(self, rank: int, step: int) -> None:
+        final, tmp = self._dir(step), self._dir(step).with_name(self._dir(step).name + ".tmp")
         _barrier()
         if rank == 0:
             self._copy_hf_files(tmp)
@@ -90,12 +126,28 @@ class Checkpointer:
             os.replace(marker_tmp, self.root / "latest")
             log.info("checkpoint saved: %s", final)
         _barrier()
-        return final
 
     @staticmethod
-    def _rl_state(run, step: int) -> dict:
-        return {"step": step, "loader": run.loader.state_dict(), "rng": _rng_state(),
+    def _rl_state(run, step: int, rngs: list) -> dict:
+        return {"step": step, "loader": run.loader.state_dict(), "rng": rngs,
                 "controller": run.controller.state_dict(), "sync_version": run.sync.version}
+
+    @staticmethod
+    def _load_rl_state(folder: Path, parallel) -> dict:
+        """The RL state with `rng` resolved to this rank's (rank 0's where the saved run had
+        fewer ranks). Also reads the older per-rank layout (rl_state_rank<r>.pt, same world size)."""
+        path, legacy = folder / "rl_state.pt", folder / f"rl_state_rank{parallel.rank}.pt"
+        if not path.exists() and legacy.exists():
+            return torch.load(legacy, weights_only=True)
+        if not path.exists():
+            raise ValueError(f"checkpoint {folder} has no rl_state.pt: not a complete checkpoint")
+        state = torch.load(path, weights_only=True)
+        rngs = state["rng"]
+        if len(rngs) != parallel.world_size:
+            log.info("resuming %d saved ranks on %d: ranks without a saved RNG take rank 0's",
+                     len(rngs), parallel.world_size)
+        state["rng"] = rngs[parallel.rank] if parallel.rank < len(rngs) else rngs[0]
+        return state
 
     def load_latest(self, run) -> int:
         """Restore model, optimizer and RL state from the latest checkpoint; returns its step."""
@@ -104,12 +156,8 @@ class Checkpointer:
             log.info("no checkpoint under %s: starting from scratch", self.root)
             return 0
         folder = self._dir(step)
-        state_path = folder / f"rl_state_rank{run.parallel.rank}.pt"
-        if not state_path.exists():
-            raise ValueError(f"checkpoint {folder} has no {state_path.name}: was it saved with "
-                             f"another number of processes?")
+        state = self._load_rl_state(folder, run.parallel)
         run.actor.load_checkpoint(folder / "model")
-        state = torch.load(state_path, weights_only=True)
         run.loader.load_state_dict(state["loader"])
         run.controller.load_state_dict(state["controller"])
         _set_rng_state(state["rng"])

@@ -208,6 +208,10 @@ class CheckpointConfig:
     """Steps between checkpoints (0 = only at the end when `save_final`)."""
     save_final: bool = True
     resume: bool = False
+    async_save: bool = False
+    """Write the model/optimizer checkpoint in a background process (Megatron's async save); it
+    is published (renamed, `latest` moved) once written everywhere, always before the next save
+    and the end of the run."""
 
 
 @dataclass

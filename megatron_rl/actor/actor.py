@@ -24,6 +24,7 @@ from megatron_rl.actor import weights
 from megatron_rl.actor.batch import split_micro_batches, validate_batch
 from megatron_rl.actor.forward import LossFn, compute_device, make_forward_step, unwrap_model
 from megatron_rl.actor.parallel import ParallelInfo
+from megatron_rl.actor.settings import ResolvedSettings, plain_settings
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_config import ModelSpec
 from megatron_rl.models.layer_spec import te_available
@@ -35,7 +36,7 @@ class MegatronActor:
 
     def __init__(self, spec: ModelSpec, parallel: ParallelInfo, model: list[torch.nn.Module],
                  optimizer, config, *, clip_grad: float, fp8_recipe: Any = None,
-                 use_te: bool = False) -> None:
+                 use_te: bool = False, settings: ResolvedSettings | None = None) -> None:
         self.spec = spec
         self.parallel = parallel
         self.model = model
@@ -45,6 +46,7 @@ class MegatronActor:
         self.clip_grad = clip_grad
         self.fp8_recipe = fp8_recipe
         self.use_te = use_te
+        self.settings = settings or plain_settings(parallel.tp_size, parallel.pp_size)
         self.inv_freq = rope_inv_freq(spec)
         self.layer_offset = _layer_offset(config, parallel)
         self._params = weights.global_params(model, self.layer_offset)
@@ -54,7 +56,8 @@ class MegatronActor:
               fp8_recipe: Any = None, lr: float = 1e-5, weight_decay: float = 0.0,
               adam_betas: tuple[float, float] = (0.9, 0.999), clip_grad: float = 1.0,
               seed: int = 0, params_dtype: torch.dtype = torch.float32,
-              use_te: bool | None = None, load_weights: bool = True) -> "MegatronActor":
+              use_te: bool | None = None, load_weights: bool = True,
+              settings: ResolvedSettings | None = None) -> "MegatronActor":
         """Build this rank's model stage and optimizer.
 
         Args:
@@ -63,21 +66,26 @@ class MegatronActor:
             parallel: from init_parallel().
             clip_grad: max global grad norm (0 disables clipping; the norm is still reported).
             use_te: force the TE / local layer spec (default: TE when it imports and CUDA is on).
+            settings: resolve_settings() of a run config (params dtype, layer spec, distributed
+                optimizer, SP, recompute); it overrides params_dtype and use_te. None: plain
+                settings (every scale feature off) from params_dtype and use_te.
         """
         if clip_grad < 0 or not math.isfinite(clip_grad):
             raise ValueError(f"clip_grad={clip_grad} must be finite and >= 0")
         is_dir = not isinstance(spec_or_hf_dir, ModelSpec)
         spec = ModelSpec.from_hf_config(spec_or_hf_dir) if is_dir else spec_or_hf_dir
-        use_te = te_available() if use_te is None else use_te
+        if settings is None:
+            settings = _settings_from_args(parallel, params_dtype, use_te)
+        use_te = settings.transformer_impl == "transformer_engine"
         te_fp8 = fp8_recipe if use_te and fp8_recipe is not None and fp8_recipe.enabled else None
-        config = _build.build_transformer_config(spec, parallel, params_dtype, te_fp8)
-        model = [_build.build_model(spec, config, parallel, fp8_recipe=fp8_recipe,
-                                    use_te=use_te, seed=seed)]
-        optimizer = _build.build_optimizer(model, lr=lr, weight_decay=weight_decay,
-                                           adam_betas=adam_betas, bf16=config.bf16)
+        config = _build.build_transformer_config(spec, parallel, settings, te_fp8)
+        model = [_build.build_model(spec, config, parallel, settings, fp8_recipe=fp8_recipe,
+                                    seed=seed)]
+        optimizer = _build.build_optimizer(model, settings, lr=lr, weight_decay=weight_decay,
+                                           adam_betas=adam_betas)
         _wire_schedule_hooks(config, model)
         actor = cls(spec, parallel, model, optimizer, config, clip_grad=clip_grad,
-                    fp8_recipe=fp8_recipe, use_te=use_te)
+                    fp8_recipe=fp8_recipe, use_te=use_te, settings=settings)
         if is_dir and load_weights:
             actor.load_hf(spec_or_hf_dir)
         return actor
@@ -101,12 +109,29 @@ class MegatronActor:
         if isinstance(named_tensors, dict):
             named_tensors = named_tensors.items()
         weights.load_hf_tensors(self._params, named_tensors, self.spec, self.parallel)
+        self._reload_main_params()
+
+    def finish_param_sync(self) -> None:
+        """Complete the distributed optimizer's parameter all-gather before weights are read
+        outside a forward (export, weight sync, checkpoint). With overlap_param_gather the step
+        leaves it to the next forward's pre-hooks (distributed_data_parallel.py:384-418), so until
+        then each rank holds fresh values only for its own shard."""
+        if self.settings.overlap_param_gather:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
+    def _reload_main_params(self) -> None:
+        """After writing model weights: the FP32 main params (BF16 mixed precision, distributed
+        optimizer) are copies taken when the optimizer was built; refresh them from the model."""
+        if self.settings.bf16 or self.settings.use_distributed_optimizer:
+            self.optimizer.reload_model_params()
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors of this PP stage, TP shards all-gathered one parameter at a time.
 
         Collective over the TP group: every TP rank must consume the whole iterator.
         """
+        self.finish_param_sync()
         return weights.export_hf_tensors(self._params, self.spec, self.parallel)
 
     # ---- forward / backward --------------------------------------------------------------
@@ -150,7 +175,8 @@ class MegatronActor:
         outputs = self._run_schedule(step, micro_batches, forward_only=False)
         grad_norm, updated = self._optimizer_step()
         reduced = self._objects_from_last_stage(
-            [{"loss": o["loss"], "metrics": o["metrics"]} for o in outputs])
+            [{"loss": o["loss"].cpu(), "metrics": {k: v.cpu() for k, v in o["metrics"].items()}}
+             for o in outputs])
         return {"grad_norm": grad_norm, "lr": self.lr, "skipped": not updated,
                 "loss": float(sum(float(r["loss"]) for r in reduced)),
                 "metrics": [r["metrics"] for r in reduced]}
@@ -161,6 +187,11 @@ class MegatronActor:
             # TE's causal attention ignores the block-diagonal mask (it would need THD packing).
             raise ValueError("batch['seq_lens'] (packed rows) needs the local layer spec "
                              "(use_te=False); send padded rows with the TE spec")
+        seq_len, tp = batch["tokens"].shape[1], self.parallel.tp_size
+        if self.settings.sequence_parallel and seq_len % tp:
+            # SP splits the sequence over the TP ranks (mappings.py scatter along dim 0).
+            raise ValueError(f"batch['tokens'] has {seq_len} tokens per row: sequence parallel "
+                             f"needs a multiple of tensor_model_parallel_size={tp}; pad the rows")
 
     def _run_schedule(self, forward_step, micro_batches: list[dict], forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -224,15 +255,47 @@ class MegatronActor:
         optimizer has no exp_avg / exp_avg_sq yet, and without placeholders they are not loaded.
         """
         model_sd = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
-        return {"model": model_sd,
-                "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        if is_loading:
+            _build.materialize_adam_state(self.optimizer)
+        metadata = None
+        if self.settings.use_distributed_optimizer:
+            # dp_reshardable: each rank writes its own optimizer shard (no gather; fully parallel)
+            # and a load at another DP size re-slices it (distrib_optimizer.py:1539-1580). The
+            # default model-space format needs flattened ShardedTensors, which 0.16 refuses.
+            metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=metadata)}
 
-    def save_checkpoint(self, ckpt_dir: str | Path) -> None:
+    def save_checkpoint(self, ckpt_dir: str | Path, *, async_save: bool = False):
         """Megatron distributed checkpoint of model + optimizer into an existing empty folder
-        (collective over all ranks; the caller makes it atomic by writing then renaming)."""
-        from megatron.core import dist_checkpointing
+        (collective over all ranks; the caller makes it atomic by writing then renaming).
 
-        dist_checkpointing.save(self.sharded_state_dict(), str(ckpt_dir))
+        Fully parallel: the replicas of each tensor (over DP) split the writing between them.
+        async_save=True returns Megatron's AsyncRequest, else None. The caller schedules it before
+        the weights change again: scheduling stages the tensors (a device-to-host copy, or on
+        the CPU the fork of the writer process) and the writer works from that copy.
+        """
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        self.finish_param_sync()
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                                    self.parallel.dp_group)
+        return dist_checkpointing.save(self.sharded_state_dict(), str(ckpt_dir),
+                                       sharded_strategy=strategy, async_sharded_save=async_save)
+
+    def _load_strategy(self, ckpt_dir: str | Path):
+        """Fully parallel load: the DP replicas read disjoint parts and exchange them."""
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelLoadStrategyWrapper,
+        )
+
+        return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(ckpt_dir)),
+                                                self.parallel.dp_group)
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, model_only: bool = False) -> None:
         """Restore model + optimizer from `save_checkpoint` (any TP/PP layout Megatron can reshard).
@@ -248,9 +311,11 @@ class MegatronActor:
         if not Path(ckpt_dir).is_dir():
             raise ValueError(f"checkpoint folder not found: {ckpt_dir}")
         if not model_only:
-            state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir))
+            state = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), str(ckpt_dir),
+                                            sharded_strategy=self._load_strategy(ckpt_dir))
             unwrap_model(self.model[0]).load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            with torch.no_grad():  # FP32 params: the distributed optimizer's shards are views
+                self.optimizer.load_state_dict(state["optimizer"])  # of the model's leaves
             return
         wanted = unwrap_model(self.model[0]).sharded_state_dict(prefix="")
         stored = load_sharded_metadata(str(ckpt_dir))
@@ -260,6 +325,18 @@ class MegatronActor:
             raise ValueError(f"checkpoint {ckpt_dir} lacks {len(fatal)} model tensors, first: {fatal[:3]}")
         state = dist_checkpointing.load({k: v for k, v in wanted.items() if k not in missing}, str(ckpt_dir))
         unwrap_model(self.model[0]).load_state_dict(state, strict=not missing)
+        self._reload_main_params()
+
+def _settings_from_args(parallel: ParallelInfo, params_dtype: torch.dtype,
+                        use_te: bool | None) -> ResolvedSettings:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if params_dtype not in names:
+        raise ValueError(f"params_dtype={params_dtype} is not supported (float32 or bfloat16)")
+    use_te = te_available() if use_te is None else use_te
+    return plain_settings(parallel.tp_size, parallel.pp_size, params_dtype=names[params_dtype],
+                          transformer_impl="transformer_engine" if use_te else "local",
+                          cuda=torch.cuda.is_available())
+
 
 def _layer_offset(config, parallel: ParallelInfo) -> int:
     """Global index of this stage's first layer (layers split evenly over PP stages)."""

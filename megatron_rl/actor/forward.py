@@ -104,5 +104,7 @@ def _loss_func(micro_batch: dict, tp_group, loss_fn: LossFn | None, with_entropy
     loss, metrics = loss_fn(logprobs, entropy, micro_batch)
     if loss.dim() != 0:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
-    metrics = {key: value.detach().cpu() for key, value in metrics.items()}
-    return loss, num_tokens, {"loss": loss.detach().cpu(), "metrics": metrics}
+    # Left on the device: a .cpu() here would sync the host once per micro-batch (the actor
+    # moves them after the schedule, once per step).
+    metrics = {key: value.detach() for key, value in metrics.items()}
+    return loss, num_tokens, {"loss": loss.detach(), "metrics": metrics}

@@ -15,9 +15,11 @@ import contextlib
 import functools
 import importlib
 import types
+from importlib.metadata import version as installed_version
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 # Megatron module -> the call sites (file:line in megatron-core 0.16.1) the stand-in serves.
 PATCHED_MODULES = {
@@ -25,6 +27,11 @@ PATCHED_MODULES = {
     # torch.cuda.manual_seed() (random.py:235-238, 422); the tracker's fork() runs around
     # every attention dropout (dot_product_attention.py:217), even at p=0.
     "megatron.core.tensor_parallel.random": "RNG tracker",
+    # Sequence parallel: the gather / reduce-scatter outputs device=torch.cuda.current_device()
+    # (mappings.py:91-181, 442) and the backward's all-gather buffer of the input
+    # (layers.py:552, 597).
+    "megatron.core.tensor_parallel.mappings": "SP gather/scatter buffers",
+    "megatron.core.tensor_parallel.layers": "SP backward buffers",
     # GlobalMemoryBuffer.get_tensor: torch.empty(device=torch.cuda.current_device()) (utils.py:631),
     # the attention-score buffer of DotProductAttention; local_multi_tensor_l2_norm:
     # torch.tensor(device="cuda") (utils.py:1207), the grad-norm fallback without apex/TE.
@@ -44,6 +51,9 @@ PATCHED_MODULES = {
     "megatron.core.optimizer.optimizer": "optimizer scalars",
     # get_grad_norm_fp32 / count_zeros_fp32: torch.zeros(device='cuda') (clip_grads.py:90-115, 207).
     "megatron.core.optimizer.clip_grads": "grad norm",
+    # DistributedOptimizer: shard buffers device=torch.cuda.current_device() (distrib_optimizer.py:
+    # 791) and the checkpoint gather buffers (distrib_optimizer.py:1077).
+    "megatron.core.optimizer.distrib_optimizer": "distributed optimizer buffers",
     # dist_checkpointing save: torch.cuda.synchronize() (fully_parallel.py:272, 281,
     # filesystem_async.py:230, async_utils.py:212) and flag tensors on the current device
     # (state_dict_saver.py:204, 252; async_utils.py:165, 604).
@@ -53,6 +63,10 @@ PATCHED_MODULES = {
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "checkpoint flags",
     "megatron.core.dist_checkpointing.exchange_utils": "checkpoint exchange buffers",
 }
+
+# The megatron-core versions this layer (and the actor built on it) is tested with; setup.py pins
+# the same range. Others are refused at start rather than failing deep inside a train step.
+TESTED_MEGATRON = ("0.16.1", "0.17")  # >= first, < second
 
 _CPU = torch.device("cpu")
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "empty_like", "zeros_like", "ones_like",
@@ -140,32 +154,64 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm: float, total_norm: float,
             grad.detach().mul_(clip_coeff)
 
 
-def _tensor_cuda_is_identity(method):
-    """Runs `method` with Tensor.cuda() returning the tensor itself, restored afterwards.
+def _swap_tensor_method(name: str, replacement, method):
+    """Runs `method` with torch.Tensor.<name> replaced, restored afterwards (also on error).
 
-    Serves LanguageModule.setup_embeddings_and_output_layer: `weight.data = weight.data.cuda()`
-    before the embedding-group all-reduce of tied embeddings with PP > 1 (language_module.py:244).
-    A Tensor method cannot be redirected per module, so it is swapped only for this call.
+    A Tensor method cannot be redirected per module, so it is swapped only for the wrapped call.
     """
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self
+        original = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, replacement(original))
         try:
             return method(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = original
+            setattr(torch.Tensor, name, original)
 
     return wrapped
 
 
-def apply_cpu_compat() -> bool:
-    """Install the CPU stand-ins into Megatron-Core; idempotent. Returns True if active.
+def _tensor_cuda_is_identity(method):
+    """LanguageModule.setup_embeddings_and_output_layer: `weight.data = weight.data.cuda()` before
+    the embedding-group all-reduce of tied embeddings with PP > 1 (language_module.py:244)."""
+    return _swap_tensor_method("cuda", lambda original: lambda self, *a, **k: self, method)
 
-    No-op (returns False) when CUDA is available.
+
+def _cpu_type_reads_as_cuda(method):
+    """The mixed-precision optimizers sort parameters by `param.type()` against CUDA type names
+    only ('torch.cuda.BFloat16Tensor', 'torch.cuda.FloatTensor'; optimizer.py:671-701,
+    distrib_optimizer.py:361-437 and 582) and raise TypeError for anything else. Inside their
+    constructors a CPU tensor's no-argument type() reads as the CUDA name of the same dtype."""
+
+    def replacement(original):
+        def type_(self, *args, **kwargs):
+            name = original(self, *args, **kwargs)
+            if args or kwargs or self.is_cuda or not isinstance(name, str):
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        return type_
+
+    return _swap_tensor_method("type", replacement, method)
+
+
+def check_megatron_version(version: str | None = None) -> None:
+    """Refuse a megatron-core outside TESTED_MEGATRON with the fix (version: the installed one)."""
+    version = installed_version("megatron-core") if version is None else version
+    low, high = TESTED_MEGATRON
+    if not Version(low) <= Version(version) < Version(high):
+        raise RuntimeError(f"megatron-core {version} is untested with megatron_rl, which supports "
+                           f">={low},<{high} (its CPU layer and actor follow that source); "
+                           f"pip install 'megatron-core>={low},<{high}'")
+
+
+def apply_cpu_compat() -> bool:
+    """Check the megatron-core version, then install the CPU stand-ins into Megatron-Core;
+    idempotent. Returns True if active. The stand-ins are skipped (returns False) with CUDA.
     """
     global _applied
+    check_megatron_version()
     if torch.cuda.is_available():
         return False
     if _applied:
@@ -178,6 +224,14 @@ def apply_cpu_compat() -> bool:
     random._set_cuda_rng_state = _set_rng_state_cpu
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    for cls in (optimizer.Float16OptimizerWithFloat16Params,
+                importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer):
+        cls.__init__ = _cpu_type_reads_as_cuda(cls.__init__)
+    # Fully parallel load: the broadcast / gather-rounds exchanges move every loaded shard to
+    # the GPU for NCCL with `.cuda()` (exchange_utils.py:336, 499) and back to its device after.
+    exchange = importlib.import_module("megatron.core.dist_checkpointing.exchange_utils")
+    for name in ("exchange_loaded_tensors_broadcast", "exchange_loaded_tensors_gather_rounds"):
+        setattr(exchange, name, _tensor_cuda_is_identity(getattr(exchange, name)))
     language_module = importlib.import_module(
         "megatron.core.models.common.language_module.language_module")
     module_cls = language_module.LanguageModule

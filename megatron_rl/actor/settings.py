@@ -12,10 +12,14 @@ ValueError naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-# The CPU default of precision.params_dtype=auto (tools/bench/actor_step.py measures the choice;
-# docs/actor.md has the numbers).
+# The CPU default of precision.params_dtype=auto. BF16 works on CPU (the tiny demo learns as in
+# FP32) and is faster where the CPU has BF16 instructions (AVX512-BF16: 0.63x the step CPU time,
+# tools/bench/actor_step.py), but that speed is machine-dependent and the reproduction numbers
+# were measured in FP32, so FP32 stays the default; every run records its dtype
+# (actor_settings.json, the start line). docs/actor.md has the measurements.
 CPU_PARAMS_DTYPE = "fp32"
 
 # Recipes Transformer Engine has no recipe object for: the actor runs them emulated (local spec).
@@ -58,14 +62,22 @@ class ResolvedSettings:
         """Bytes of one model parameter (the FP32 main copy and grads are separate, in the optimizer)."""
         return 2 if self.bf16 else 4
 
-    def summary(self) -> str:
-        """The one-line "what runs where" of the start banner (without the recipe and DP size)."""
-        parts = [self.device, self.params_dtype,
-                 f"TP={self.tensor_model_parallel_size}", f"PP={self.pipeline_model_parallel_size}",
-                 f"SP={'on' if self.sequence_parallel else 'off'}",
-                 "distributed optimizer" if self.use_distributed_optimizer else "optimizer",
-                 f"recompute={self.recompute_granularity}", f"layers={self.transformer_impl}"]
-        return " ".join(parts)
+    def summary(self, train_recipe: str, dp_size: int) -> str:
+        """The one start line: what runs where (device, dtype, FP8 recipe real or emulated, grid,
+        optimizer, recompute, layer spec)."""
+        if train_recipe == "bf16":
+            fp8 = "fp8=off"
+        else:
+            fp8 = f"fp8={train_recipe}({'emulated' if self.fp8_emulated else 'TE'})"
+        optimizer = "distributed-adam" if self.use_distributed_optimizer else "adam"
+        return (f"actor: {self.device} params={self.params_dtype} {fp8} "
+                f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} "
+                f"DP={dp_size} SP={'on' if self.sequence_parallel else 'off'} "
+                f"optimizer={optimizer} recompute={self.recompute_granularity} "
+                f"layers={self.transformer_impl}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def _auto(value: bool | None, default: bool) -> bool:
@@ -153,3 +165,17 @@ def check_device(settings: ResolvedSettings, recipe: str,
         raise ValueError(f"config key 'precision.train_recipe': 'mxfp8' needs a Blackwell GPU "
                          f"(compute capability 10.x), this device is {capability[0]}.{capability[1]}; "
                          "use blockwise on Hopper")
+
+
+def plain_settings(tp: int = 1, pp: int = 1, *, params_dtype: str = "fp32",
+                   transformer_impl: str = "local", cuda: bool = False) -> ResolvedSettings:
+    """Settings with every scale feature off (no SP, plain optimizer, no recompute): what an actor
+    built without a config runs with."""
+    if params_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"params_dtype={params_dtype!r} is not supported (fp32 or bf16)")
+    return ResolvedSettings(
+        device="cuda" if cuda else "cpu", params_dtype=params_dtype,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
+        sequence_parallel=False, use_distributed_optimizer=False, overlap_grad_reduce=False,
+        overlap_param_gather=False, recompute_granularity="none", recompute_method="uniform",
+        recompute_num_layers=1, transformer_impl=transformer_impl, fp8_emulated=False)

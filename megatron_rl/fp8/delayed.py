@@ -12,10 +12,17 @@ When the history moves (a deliberate choice; TE updates after every FP8 forward)
 - only in training passes (module.training and grad enabled); the no-grad old-logprob and
   reference forwards read the scales but leave them untouched, so a training forward at the
   same weights quantizes exactly as the old-logprob forward did.
+- Under activation recompute the layer's forward runs twice: the original (no grad) forward
+  records as any training forward does and stashes the scales it used (`stash`); the recompute
+  in backward reuses them in the same order (`pop_stashed`) and records nothing, so the amax is
+  recorded once and the recomputed activations are bitwise the original ones, also when other
+  forwards ran in between (pipeline warm-up). TE solves the same hazard in its own checkpoint.
 - Until a role has been recorded once, its scale is computed from the current tensor
   (current scaling), instead of TE's initial scale of 1, which would quantize the first
   iteration's small weights into subnormals.
 """
+
+from collections import deque
 
 import torch
 from torch import nn
@@ -35,6 +42,9 @@ class DelayedScalingState(nn.Module):
         self.register_buffer("amax_history", torch.zeros(amax_history_len, len(ROLE_INDEX)))
         self.register_buffer("scale", torch.ones(len(ROLE_INDEX)))
         self.register_buffer("num_updates", torch.zeros(len(ROLE_INDEX), dtype=torch.int64))
+        # Scales used by checkpointed forwards, oldest first, awaiting their recompute (not state:
+        # empty between train steps).
+        self._stashed: dict[str, deque] = {role: deque() for role in ROLE_INDEX}
 
     def has_scale(self, role: str) -> bool:
         """Whether `role` has been recorded at least once (else use current scaling)."""
@@ -43,6 +53,16 @@ class DelayedScalingState(nn.Module):
     def scale_of(self, role: str) -> torch.Tensor:
         """The quantization scale for `role` (float32 scalar, a copy)."""
         return self.scale[ROLE_INDEX[role]].clone()
+
+    def stash(self, role: str, scale: torch.Tensor) -> None:
+        """Keep the scale a checkpointed forward used, for its recompute."""
+        self._stashed[role].append(scale)
+
+    def pop_stashed(self, role: str) -> torch.Tensor:
+        """The scale of the oldest checkpointed forward not yet recomputed."""
+        if not self._stashed[role]:
+            raise RuntimeError(f"delayed scaling: a recompute of '{role}' without its forward")
+        return self._stashed[role].popleft()
 
     @torch.no_grad()
     def record(self, role: str, amax: torch.Tensor, fp8_max: float) -> None:

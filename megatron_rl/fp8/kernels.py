@@ -34,7 +34,8 @@ def quantize_groups(x: torch.Tensor, block: int, fp8_dtype: torch.dtype, power_2
         biased = e8m0_from_amax(group_amax, fp8_max(fp8_dtype))
         scale, scale_inv = e8m0_quant_scale(biased), biased.view(E8M0)
     else:
-        scale, scale_inv = scale_from_amax(group_amax, fp8_max(fp8_dtype), power_2_scale)
+        scale, scale_inv = scale_from_amax(group_amax, fp8_max(fp8_dtype), power_2_scale,
+                                           torch.finfo(x.dtype).max)
     scaled = _mul(groups, scale.unsqueeze(-1), copied or xf is not x)
     return unpad(to_fp8(scaled, fp8_dtype, any_non_finite(group_amax))), scale_inv
 
@@ -47,7 +48,8 @@ def quantize_tiles(x: torch.Tensor, block: tuple[int, int], fp8_dtype: torch.dty
     tile_amax = abs_max_last(tiles).amax(dim=-2)
     if amax_reducer is not None:
         amax_reducer(tile_amax)
-    scale, scale_inv = scale_from_amax(tile_amax, fp8_max(fp8_dtype), power_2_scale)
+    scale, scale_inv = scale_from_amax(tile_amax, fp8_max(fp8_dtype), power_2_scale,
+                                       torch.finfo(x.dtype).max)  # block scales: input dtype max
     scaled = _mul(tiles, scale.unsqueeze(-1).unsqueeze(-3), copied or xf is not x)
     return unpad(to_fp8(scaled, fp8_dtype, any_non_finite(tile_amax))), scale_inv
 

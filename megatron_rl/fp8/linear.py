@@ -50,6 +50,9 @@ class Fp8Plan:
     state: Optional[DelayedScalingState] = None
     # Delayed scaling: record amaxes and update scales in this pass (see delayed.py).
     update_history: bool = False
+    # Activation recompute (delayed.py): None | "stash" (the checkpointed forward keeps its
+    # forward scales) | "replay" (the recompute reuses them and records input/weight no more).
+    recompute: Optional[str] = None
     # None (not sharded) | "column" | "row" (Megatron ColumnParallel / RowParallel).
     parallel_mode: Optional[str] = None
     # In-place MAX all-reduce over the tensor-parallel group (None at TP = 1).
@@ -118,6 +121,8 @@ def _tensor_scale(plan: Fp8Plan, role: str, t: torch.Tensor) -> Optional[torch.T
     fmax = fp8_max(spec.fp8_dtype)
     local = amax(t)
     state = plan.state if spec.delayed else None
+    if state is not None and plan.recompute == "replay" and role != "grad_output":
+        return state.pop_stashed(role)
     if state is not None and state.has_scale(role):
         scale = state.scale_of(role)
     else:
@@ -130,6 +135,8 @@ def _tensor_scale(plan: Fp8Plan, role: str, t: torch.Tensor) -> Optional[torch.T
         if plan.reduce_history is not None:
             plan.reduce_history(value)
         state.record(role, value, fmax)
+    if state is not None and plan.recompute == "stash":
+        state.stash(role, scale)
     return scale
 
 

@@ -120,3 +120,24 @@ def _check_te_mappable(recipe: Fp8Recipe) -> None:
     if recipe.name == "blockwise" and recipe.block_size != TE_BLOCK:
         raise ValueError(f"block_size={recipe.block_size}: Transformer Engine's Float8BlockScaling "
                          f"uses {TE_BLOCK}")
+
+
+def require_te(recipe: Fp8Recipe) -> None:
+    """Build-time gate of the TE layer spec on CUDA: no silent fallback to the local spec.
+
+    The environment is checked first, before anything imports TE (TE reads the NVTE_* scale
+    switches once, at import: a mismatch found later could not be fixed in-process).
+    Raises ValueError with the fix.
+    """
+    bad = te_environment_mismatches(recipe)
+    if bad:
+        exports = " ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(f"config key 'precision.train_recipe': {recipe.name!r} on Transformer "
+                         f"Engine needs the environment {exports} set before TE is imported "
+                         f"(else its scales differ from the emulation and the rollout); export it "
+                         f"where the job starts (torchrun / sbatch environment)")
+    if not te_available():
+        raise ValueError("config key 'parallel.transformer_impl': CUDA is present but "
+                         "transformer_engine does not import; install it (pip install "
+                         "'megatron_rl[gpu]') or opt out with parallel.transformer_impl=local "
+                         "(emulated FP8, unfused attention)")

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_rl.fp8.linear import Fp8Plan, fp8_linear, make_delayed_state
@@ -60,10 +61,15 @@ class _Fp8ParallelLinearMixin:
         history = None
         if self.fp8_state is not None:
             history = _max_reducer(_amax_reduction_group(self.config, self.tp_group))
+        # Inside Megatron's activation checkpoint (tensor_parallel/random.py:496-570) the
+        # original forward runs without grad and the recompute in backward with it.
+        checkpointing = self.training and is_checkpointing()
+        grad = torch.is_grad_enabled()
         return Fp8Plan(
             recipe=self.fp8_recipe,
             state=self.fp8_state,
-            update_history=self.training and torch.is_grad_enabled(),
+            update_history=self.training and (grad or checkpointing),
+            recompute=("replay" if grad else "stash") if checkpointing else None,
             parallel_mode=self.fp8_parallel_mode,
             reduce_tp=_max_reducer(self.tp_group),
             reduce_history=history,

@@ -46,10 +46,13 @@ def rope_angles(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> torch.Ten
         inv_freq: [D/2] float32 from `rope_inv_freq`.
         position_ids: [B, S] int64.
     Returns:
-        [S, B, 1, D] float32 (non-interleaved halves, like HF's rotate_half). When every row has
-        the same positions the batch dim is 1, so the tensor broadcasts like Megatron's own.
+        [S, B, 1, D] float32 (non-interleaved halves, like HF's rotate_half). On the CPU, when
+        every row has the same positions the batch dim is 1 (broadcasts like Megatron's own).
     """
-    if position_ids.shape[0] > 1 and bool((position_ids == position_ids[:1]).all()):
+    # The dedup test is free on the CPU; on a GPU it would be a host sync per micro-batch, so
+    # there the rows stay (same values, a larger broadcast).
+    on_cpu = position_ids.device.type == "cpu"
+    if on_cpu and position_ids.shape[0] > 1 and bool((position_ids == position_ids[:1]).all()):
         position_ids = position_ids[:1]
     # Same product as HF (float32 position times float32 inv_freq): identical angles.
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq.to(position_ids.device)

@@ -53,20 +53,26 @@ def _te_dtype(tex, dtype):
     return tex.DType.kFloat8E4M3 if dtype == E4 else tex.DType.kFloat8E5M2
 
 
-def _sample(shape, seed=0):
+# Magnitude ranges (log10) across the columns: ordinary values, and tiny amaxes where a block
+# scale overflows fp32 (the input dtype's max substitutes) and MXFP8 blocks get E8M0 byte 0.
+RANGES = [(-2, 2), (-40, -30)]
+
+
+def _sample(shape, seed=0, decades=(-2, 2)):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(shape, generator=gen, device="cuda") * torch.logspace(
-        -2, 2, shape[-1], device="cuda")
+        *decades, shape[-1], device="cuda")
     x[:, :7] = 0.0  # a few zero entries; zero blocks below
     return x.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [E4, E5])
-def test_current_scaling_bitwise(te, shape, dtype):
+@pytest.mark.parametrize("decades", RANGES)
+def test_current_scaling_bitwise(te, shape, dtype, decades):
     te_pytorch, tex = te
     cls = _te_class(te_pytorch, "Float8CurrentScalingQuantizer", "float8_tensor")
-    x = _sample(shape)
+    x = _sample(shape, decades=decades)
     qt = cls(_te_dtype(tex, dtype), device=torch.device("cuda"))(x)
     q, s = quantize(x, "tensorwise", dtype)
     assert torch.equal(qt._data.view(torch.uint8), q.view(torch.uint8))
@@ -88,12 +94,13 @@ def test_delayed_scaling_cast_with_given_scale_bitwise(te):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dim", [1, 2])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_blockwise_bitwise(te, shape, dim, pow2):
+@pytest.mark.parametrize("decades", RANGES)
+def test_blockwise_bitwise(te, shape, dim, pow2, decades):
     te_pytorch, tex = te
     if not _available(te_pytorch, "fp8_block_scaling"):
         pytest.skip("FP8 block scaling not supported on this GPU")
     cls = _te_class(te_pytorch, "Float8BlockQuantizer", "float8_blockwise_tensor")
-    x = _sample(shape)
+    x = _sample(shape, decades=decades)
     x[:128, :128] = 0.0  # an all-zero block / tile
     quantizer = cls(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=False,
                     amax_epsilon=0.0, force_pow_2_scales=pow2, block_scaling_dim=dim)
@@ -104,12 +111,13 @@ def test_blockwise_bitwise(te, shape, dim, pow2):
     assert torch.equal(qt.dequantize(dtype=torch.float32), dequantize(q, s, granularity))
 
 
-def test_mxfp8_bitwise(te):
+@pytest.mark.parametrize("decades", RANGES)
+def test_mxfp8_bitwise(te, decades):
     te_pytorch, tex = te
     if not _available(te_pytorch, "mxfp8"):
         pytest.skip("MXFP8 not supported on this GPU")
     cls = _te_class(te_pytorch, "MXFP8Quantizer", "mxfp8_tensor")
-    x = _sample((256, 512))
+    x = _sample((256, 512), decades=decades)
     qt = cls(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=False)(x)
     q, s = quantize(x, "mxfp8", E4)
     assert torch.equal(qt._rowwise_data.view(torch.uint8), q.view(torch.uint8))

@@ -28,8 +28,8 @@ def test_apply_is_idempotent_and_scoped(single_parallel):
     # Only the listed modules see the stand-in: the real torch.cuda still refuses.
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
-    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
-    assert layers.torch is torch
+    layer = importlib.import_module("megatron.core.transformer.transformer_layer")
+    assert layer.torch is torch
 
 
 def test_stand_in_maps_cuda_requests_to_cpu(single_parallel):
