@@ -112,15 +112,17 @@ class MegatronActor:
     # ---- forward / backward --------------------------------------------------------------
 
     def compute_logprobs(self, batch: dict, *, micro_batch_size: int, with_entropy: bool = True,
-                         fp8: bool = True) -> dict[str, torch.Tensor]:
+                         fp8: bool = True, logprob_chunk_size: int = 0) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and entropy) [B, S] float32 without grad, on every rank.
 
         logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t]); 0 at t = 0 and at the first token of
         each packed sequence. fp8=False runs the BF16 shadow (quantization off).
+        logprob_chunk_size > 0: only loss-mask tokens, that many at a time (0 elsewhere).
         """
         self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
-        step = make_forward_step(self.inv_freq, self.parallel.tp_group, None, with_entropy)
+        step = make_forward_step(self.inv_freq, self.parallel.tp_group, None, with_entropy,
+                                 logprob_chunk_size, thd=self.use_te)
         for chunk in self.model:
             chunk.eval()
         with torch.no_grad(), _precision(self.config, fp8):
@@ -131,7 +133,8 @@ class MegatronActor:
             result["entropy"] = self._from_last_stage(outputs, "entropy", shape)
         return result
 
-    def train_step(self, batch: dict, loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, Any]:
+    def train_step(self, batch: dict, loss_fn: LossFn, *, micro_batch_size: int,
+                   logprob_chunk_size: int = 0) -> dict[str, Any]:
         """Forward/backward over micro-batches (gradient accumulation), then one optimizer step.
 
         loss_fn(logprobs [b, S], entropy [b, S], micro_batch) -> (loss, metrics): loss a scalar
@@ -139,10 +142,13 @@ class MegatronActor:
         micro-batch losses, summed over DP ranks); metrics values float64 [2] (numerator, denominator).
         Returns {"grad_norm", "lr", "loss" (sum over micro-batches), "metrics" (list per
         micro-batch), "skipped" (non-finite grad norm: no update)} on every rank.
+        logprob_chunk_size > 0: log-probs / entropy of loss-mask tokens only, in chunks, recomputed
+        in backward (0 elsewhere).
         """
         self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
-        step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn)
+        step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn,
+                                 logprob_chunk_size=logprob_chunk_size, thd=self.use_te)
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -157,10 +163,10 @@ class MegatronActor:
 
     def _validate(self, batch: dict, micro_batch_size: int) -> None:
         validate_batch(batch, self.spec.vocab_size, micro_batch_size)
-        if self.use_te and "seq_lens" in batch:
-            # TE's causal attention ignores the block-diagonal mask (it would need THD packing).
-            raise ValueError("batch['seq_lens'] (packed rows) needs the local layer spec "
-                             "(use_te=False); send padded rows with the TE spec")
+        if self.use_te and "seq_lens" in batch and micro_batch_size != 1:
+            # THD packing (TE spec) runs one packed row per micro-batch.
+            raise ValueError(f"batch['seq_lens'] (packed rows) with the TE spec needs "
+                             f"micro_batch_size=1, got {micro_batch_size}")
 
     def _run_schedule(self, forward_step, micro_batches: list[dict], forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
