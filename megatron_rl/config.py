@@ -200,6 +200,9 @@ class TrainConfig:
     """Token budget of a packed micro-batch: sequences are packed (positions and attention restart
     per sequence) into micro-batches of at most this many tokens plus the FP8 padding. 0 = padded
     rows, micro_batch_size per micro-batch. Must hold the longest sequence (prompt + response)."""
+    allow_oversized: bool = False
+    """Start on GPUs even when the memory plan (`megatron-rl plan`, docs/plan.md) says the config
+    does not fit. Off: training refuses such a config at start, printing the plan."""
 
 
 @dataclass

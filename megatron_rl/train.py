@@ -14,12 +14,14 @@ import torch
 
 from megatron_rl import build, rl_step
 from megatron_rl.config import RunConfig, load_config
+from megatron_rl.plan.report import check_fits, job_cluster
 
 log = logging.getLogger("megatron_rl.train")
 
 
 def run(cfg: RunConfig) -> dict[str, float]:
     """Train for cfg.train.num_steps RL steps; returns the last step's metrics."""
+    check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
     run_ = build.build_run(cfg)
     start = run_.resume_step()
     run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
