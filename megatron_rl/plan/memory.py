@@ -143,7 +143,8 @@ def trainer_memory(cfg: RunConfig, spec: ModelSpec, dp: int, cuda: bool = True) 
 
 
 def rollout_memory(cfg: RunConfig, spec: ModelSpec, gpu_mem_gb: float) -> dict[str, float]:
-    """Bytes on one rollout GPU: SGLang's static pool (weights + KV cache) and its reserve."""
+    """Bytes on one rollout GPU: SGLang's static pool (weights + KV cache) and its reserve; the
+    embedded engine holds its weights and the KV cache of one step's samples."""
     sg = cfg.rollout.sglang
     tp = sg.tp_size if cfg.rollout.engine == "sglang" else 1
     linear, other = layer_params(spec)
@@ -152,6 +153,11 @@ def rollout_memory(cfg: RunConfig, spec: ModelSpec, gpu_mem_gb: float) -> dict[s
     block = cfg.precision.weight_block_size
     linear_bytes = (1 + 4 / (block[0] * block[1])) if fp8 else 2  # FP8 + FP32 scale per block
     weights = (spec.num_layers * (linear * linear_bytes + other * 2) + embedding * 2) / tp
+    if cfg.rollout.engine == "torch":
+        samples = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
+        longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+        return {"weights": weights, "kv_cache": samples * longest * kv_cell_bytes(cfg, spec),
+                "cuda_graphs": 0.0}
     static = sg.mem_fraction_static * gpu_mem_gb * GB
     reserve_mb = 512 + max(_chunked_prefill(sg.extra_args), 2048) * 1.5 + tp / 8 * 1024
     if gpu_mem_gb > 60:
@@ -166,11 +172,15 @@ def _chunked_prefill(extra_args: list[str]) -> int:
     return SGLANG_CHUNKED_PREFILL
 
 
-def kv_tokens(cfg: RunConfig, spec: ModelSpec, kv_bytes: float) -> int:
-    """Tokens the KV cache holds (SGLang pool_configurator cell size: kv heads / TP x (k + v)
-    head dims x layers x dtype bytes)."""
+def kv_cell_bytes(cfg: RunConfig, spec: ModelSpec) -> int:
+    """KV bytes per token (SGLang pool_configurator cell size: kv heads / TP x (k + v) head dims x
+    layers x dtype bytes)."""
     sg = cfg.rollout.sglang
     tp = sg.tp_size if cfg.rollout.engine == "sglang" else 1
     dtype_bytes = 1 if sg.kv_cache_dtype.startswith("fp8") else 2
-    cell = max(spec.num_query_groups // tp, 1) * 2 * spec.head_dim * spec.num_layers * dtype_bytes
-    return int(kv_bytes // cell)
+    return max(spec.num_query_groups // tp, 1) * 2 * spec.head_dim * spec.num_layers * dtype_bytes
+
+
+def kv_tokens(cfg: RunConfig, spec: ModelSpec, kv_bytes: float) -> int:
+    """Tokens the KV cache holds."""
+    return int(kv_bytes // kv_cell_bytes(cfg, spec))
