@@ -23,6 +23,7 @@ from megatron_rl.actor import build as _build
 from megatron_rl.actor import weights
 from megatron_rl.actor.batch import split_micro_batches, validate_batch
 from megatron_rl.actor.forward import LossFn, compute_device, make_forward_step, unwrap_model
+from megatron_rl.actor.offload import StorageOffloader
 from megatron_rl.actor.parallel import ParallelInfo
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_config import ModelSpec
@@ -48,6 +49,7 @@ class MegatronActor:
         self.inv_freq = rope_inv_freq(spec)
         self.layer_offset = _layer_offset(config, parallel)
         self._params = weights.global_params(model, self.layer_offset)
+        self._offloader = StorageOffloader()
 
     @classmethod
     def build(cls, spec_or_hf_dir: ModelSpec | str | Path, *, parallel: ParallelInfo,
@@ -213,6 +215,34 @@ class MegatronActor:
         box = [objects if par.is_last_stage else None]
         dist.broadcast_object_list(box, src=par.last_stage_rank, group=par.pp_group)
         return box[0]
+
+    # ---- colocated offload ---------------------------------------------------------------
+
+    def offload(self, groups: tuple[str, ...] = ("grads", "optimizer", "params")) -> int:
+        """Free this rank's device memory of `groups` (copies kept in pinned host memory);
+        returns the bytes freed. Nothing may touch the offloaded tensors until `reload`."""
+        return self._offloader.offload(t for group in groups for t in self._state_tensors(group))
+
+    def reload(self) -> int:
+        """Bring back everything `offload` freed, bitwise; returns the bytes."""
+        return self._offloader.reload()
+
+    def _state_tensors(self, group: str) -> list[torch.Tensor]:
+        params = [p for chunk in self.model for p in chunk.parameters()]
+        if group == "params":
+            return params
+        if group == "grads":
+            return [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+        if group == "optimizer":
+            # FP32 master copies (mixed precision) and Adam moments; with FP32 weights the optimizer's
+            # parameters are the model's own, which belong to "params".
+            own = {p.untyped_storage().data_ptr() for p in params}
+            masters = [p for g in self.optimizer.param_groups for p in g["params"]
+                       if p.untyped_storage().data_ptr() not in own]
+            moments = [t for _, state in self.optimizer.state.items() for t in state.values()
+                       if torch.is_tensor(t)]
+            return masters + moments
+        raise ValueError(f"offload group {group!r} is not one of ('grads', 'optimizer', 'params')")
 
     # ---- state ---------------------------------------------------------------------------
 
