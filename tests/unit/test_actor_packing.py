@@ -93,3 +93,13 @@ def test_packed_equals_padded_logprobs_loss_grads(qwen3_dir, single_parallel, mo
     assert loss_pack == pytest.approx(loss_pad, rel=1e-6, abs=1e-7)
     for a, b in zip(g_pack, g_pad):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_thd_params_by_hand():
+    """The TE path's cu_seqlens: sequences, then the trailing padding as one more sequence."""
+    from megatron_rl.actor.packing import thd_params
+
+    params = thd_params(torch.tensor([[4, 3, 0]]), width=8)
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 4, 7, 8]
+    assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == 4
+    assert thd_params(torch.tensor([[5, 3]]), width=8).cu_seqlens_kv.tolist() == [0, 5, 8]
