@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.actor.settings import ResolvedSettings, resolve_settings
 from megatron_rl.config import RunConfig
 from megatron_rl.models.hf_config import ModelSpec
 
@@ -39,25 +40,6 @@ class Cluster:
     gpu_mem_gb: float = 80.0
     rollout_nodes: int | None = None
     """Disaggregated: nodes serving SGLang (None: half of them)."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the trainer resolves `auto` to on the planned hardware (cuda=True: design.md s10)."""
-
-    param_bytes: int
-    main_param_bytes: int  # FP32 master copy in the optimizer (0 when the weights are FP32)
-    distributed_optimizer: bool
-    sequence_parallel: bool
-
-
-def resolve(cfg: RunConfig, cuda: bool = True) -> Settings:
-    p, par = cfg.precision, cfg.parallel
-    bf16 = p.params_dtype == "bf16" or (p.params_dtype == "auto" and cuda)
-    dist_opt = par.use_distributed_optimizer if par.use_distributed_optimizer is not None else cuda
-    tp = par.tensor_model_parallel_size
-    sp = par.sequence_parallel if par.sequence_parallel is not None else (cuda and tp > 1)
-    return Settings(2 if bf16 else 4, 4 if bf16 else 0, dist_opt, sp)
 
 
 def layer_params(spec: ModelSpec) -> tuple[int, int]:
@@ -90,7 +72,7 @@ def tokens_per_micro_batch(cfg: RunConfig, sequence_parallel: bool) -> int:
     return -(-t.max_tokens_per_micro_batch // multiple) * multiple
 
 
-def _activation_bytes(cfg: RunConfig, spec: ModelSpec, s: Settings, tokens: int) -> float:
+def _activation_bytes(cfg: RunConfig, spec: ModelSpec, s: ResolvedSettings, tokens: int) -> float:
     par = cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     sbh = tokens / par.context_parallel_size * spec.hidden_size
@@ -121,17 +103,17 @@ def _logprob_bytes(cfg: RunConfig, spec: ModelSpec, tokens: int) -> float:
 
 
 def trainer_memory(cfg: RunConfig, spec: ModelSpec, dp: int, cuda: bool = True) -> dict[str, float]:
-    """Bytes on the busiest trainer GPU, by part."""
-    s = resolve(cfg, cuda)
+    """Bytes on the busiest trainer GPU, by part, as the actor resolves `auto` (actor/settings.py)."""
+    s = resolve_settings(cfg, cuda)
     par = cfg.parallel
     params, linear = stage_params(spec, par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
-    optimizer = params * (s.main_param_bytes + 8)
-    if s.distributed_optimizer:
+    optimizer = params * ((4 if s.bf16 else 0) + 8)  # FP32 master copy (mixed precision) + Adam
+    if s.use_distributed_optimizer:
         optimizer /= dp
     tokens = tokens_per_micro_batch(cfg, s.sequence_parallel)
-    fp8 = cfg.precision.train_recipe != "bf16"
+    fp8 = cfg.precision.train_recipe != "bf16" and s.transformer_impl == "transformer_engine"
     return {
-        "weights": params * s.param_bytes,
+        "weights": params * s.bytes_per_param,
         "grads": params * 4,  # FP32 gradient buffer (grad_reduce_in_fp32)
         "optimizer": optimizer,
         "activations": _activation_bytes(cfg, spec, s, tokens),
