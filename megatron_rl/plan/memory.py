@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.actor.packing import pad_multiple
 from megatron_rl.actor.settings import ResolvedSettings, resolve_settings
 from megatron_rl.config import RunConfig
 from megatron_rl.models.hf_config import ModelSpec
@@ -28,7 +29,6 @@ from megatron_rl.models.hf_config import ModelSpec
 GB = 1024**3
 CUDA_CONTEXT_GB = 1.0
 """CUDA context, cuBLAS / NCCL workspaces and allocator slack per process (measured ~0.5-1 GB)."""
-_FP8_RECIPE_MULTIPLE = {"blockwise": 128, "mxfp8": 32}
 SGLANG_CHUNKED_PREFILL = 8192
 """SGLang's default --chunked-prefill-size on 80 GB-class GPUs (server_args.py)."""
 
@@ -67,8 +67,8 @@ def tokens_per_micro_batch(cfg: RunConfig, sequence_parallel: bool) -> int:
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     if t.max_tokens_per_micro_batch == 0:
         return t.micro_batch_size * longest
-    multiple = _FP8_RECIPE_MULTIPLE.get(cfg.precision.train_recipe, 16)
-    multiple *= cfg.parallel.tensor_model_parallel_size if sequence_parallel else 1
+    multiple = pad_multiple(cfg.precision.train_recipe, cfg.parallel.tensor_model_parallel_size,
+                            sequence_parallel)
     return -(-t.max_tokens_per_micro_batch // multiple) * multiple
 
 

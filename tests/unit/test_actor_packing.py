@@ -103,3 +103,15 @@ def test_thd_params_by_hand():
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 4, 7, 8]
     assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == 4
     assert thd_params(torch.tensor([[5, 3]]), width=8).cu_seqlens_kv.tolist() == [0, 5, 8]
+
+
+def test_token_budget_config_errors_name_the_key():
+    from megatron_rl.config import load_config
+
+    with pytest.raises(ValueError, match="train.max_tokens_per_micro_batch"):
+        load_config(None, ["train.max_tokens_per_micro_batch=50", "data.max_prompt_len=40",
+                           "rollout.max_new_tokens=16"])
+    with pytest.raises(ValueError, match="train.logprob_chunk_size"):
+        load_config(None, ["train.logprob_chunk_size=-1"])
+    assert load_config(None, ["train.max_tokens_per_micro_batch=56", "data.max_prompt_len=40",
+                              "rollout.max_new_tokens=16"]).train.max_tokens_per_micro_batch == 56
