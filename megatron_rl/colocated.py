@@ -12,7 +12,7 @@ One RL step, as train.py runs it (design.md section 10; slime's train.py orders 
 The parameters leave the device after the sync, not before it: the export all-gathers TP shards
 on the device, and the BF16 parameters are 2 of Megatron's 18 bytes per parameter. The KV cache
 comes back last, so the sync never competes with it. With the protocol disabled (disaggregated
-engines, or train.colocated_protocol off) every call is a no-op. The engine exists on the engine rank only; every rank offloads
+engines, or train.colocated_protocol=false) every call is a no-op. The engine exists on the engine rank only; every rank offloads
 its own trainer state.
 """
 

@@ -203,12 +203,11 @@ class TrainConfig:
     allow_oversized: bool = False
     """Start on GPUs even when the memory plan (`megatron-rl plan`, docs/plan.md) says the config
     does not fit. Off: training refuses such a config at start, printing the plan."""
-    colocated_protocol: bool | None = None
-    """true | false | null (auto). Colocated engines: release the engine's memory while training and
+    colocated_protocol: bool = True
+    """Colocated engines (the embedded one always): release the engine's memory while training and
     offload the trainer's parameters, gradients and optimizer state to host memory while the engine
-    works (megatron_rl/colocated.py). null: on GPUs. Off on CPU by default: host memory is not the
-    limit there, and the embedded engine's re-allocated weights move its CPU log-probs in the last
-    bits, which breaks bitwise resume (a resumed engine was never released)."""
+    works, in the order of megatron_rl/colocated.py. On CPU it frees nothing that matters but runs
+    the same order, so the CPU loop exercises it; false keeps both resident."""
 
 
 @dataclass

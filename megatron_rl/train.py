@@ -24,9 +24,8 @@ def run(cfg: RunConfig) -> dict[str, float]:
     """Train for cfg.train.num_steps RL steps; returns the last step's metrics."""
     check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
     run_ = build.build_run(cfg)
-    protocol = cfg.train.colocated_protocol
-    protocol = torch.cuda.is_available() if protocol is None else protocol
-    memory = ColocatedMemory(run_.actor, run_.engine, enabled=protocol and is_colocated(cfg))
+    memory = ColocatedMemory(run_.actor, run_.engine,
+                             enabled=cfg.train.colocated_protocol and is_colocated(cfg))
     start = run_.resume_step()
     memory.before_sync()
     run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format

@@ -121,6 +121,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._quantized: dict[str, nn.Module] = self._quantize_linears() if rollout_quant != "bf16" else {}
         self._held = self._held_tensors()
+        self._own_storage()
         self._version = 0
         self._pending_version: int | None = None  # an update is in progress
         self._pending_fp8: dict[str, dict[str, torch.Tensor]] = {}  # module -> halves of an FP8 pair
@@ -154,6 +155,16 @@ class TorchRolloutEngine(RolloutEngine):
             mode=self.rollout_quant.removeprefix("fp8_"),
         )
         return {n: m for n, m in self.model.named_modules() if isinstance(m, w8a8.W8A8Linear)}
+
+    def _own_storage(self) -> None:
+        """Move every held tensor into storage of our own allocator. from_pretrained may leave
+        tensors in safetensors' mmap at arbitrary alignment, and CPU GEMMs pick different kernels
+        (and summation orders) for differently aligned operands: an engine re-allocated by
+        resume_memory() would then differ in the last bits from a fresh one, and a resumed run
+        would not repeat an uninterrupted one."""
+        for t in self._unique_held():
+            fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            t.data = fresh.copy_(t.data)
 
     def _held_tensors(self) -> dict[str, torch.Tensor]:
         """{HF name: tensor} of every persistent tensor the model holds (tied names share one)."""

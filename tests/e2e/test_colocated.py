@@ -41,7 +41,7 @@ def calls(monkeypatch) -> list[str]:
 
 def test_colocated_protocol_order_in_the_loop(tmp_path, calls):
     records = run_tiny(tmp_path, "fp8_calibrated.yaml", "train.num_steps=2", "calib.period=1",
-                       "train.colocated_protocol=true", "train.max_tokens_per_micro_batch=96",
+                       "train.max_tokens_per_micro_batch=96",
                        "checkpoint.save_final=true")
     assert [r["step"] for r in records] == [0, 1] and all(r["step/skipped"] == 0 for r in records)
     start = ["offload(('grads', 'optimizer'))", "sync", "finish_update", "offload(('params',))"]
