@@ -13,6 +13,7 @@ EPILOG = """examples:
   megatron-rl train examples/tiny/bf16.yaml train.num_steps=10 log.dir=runs/bf16
   megatron-rl train examples/tiny/fp8_calibrated.yaml --resume
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
+  megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpu-mem-gb 80
 """
 
 
