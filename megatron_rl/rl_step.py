@@ -136,7 +136,7 @@ def _actor_batch(run, batch: Batch):
     if t.max_tokens_per_micro_batch == 0:
         padded, rows = pad_rows(batch, t.micro_batch_size)
         return padded, t.micro_batch_size, lambda values: values[:rows]
-    sp = bool(getattr(run.actor.config, "sequence_parallel", False))
+    sp = bool(run.actor.config.sequence_parallel)
     multiple = pad_multiple(run.cfg.precision.train_recipe, run.parallel.tp_size, sp)
     packed, index = pack_batch(batch, t.max_tokens_per_micro_batch, multiple)
     return packed, 1, lambda values: unpack(values, index)

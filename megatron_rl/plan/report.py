@@ -54,10 +54,10 @@ def _gb(parts: dict[str, float]) -> dict[str, float]:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'part':<22}{'GB/GPU':>10}"]
+    lines = [f"{'part':<26}{'GB/GPU':>8}"]
     for side in ("trainer", "rollout"):
         for part, value in result[side].items():
-            lines.append(f"{side + '.' + part:<22}{value:>10.2f}")
+            lines.append(f"{side + '.' + part:<26}{value:>8.2f}")
     where = "colocated (one GPU, release/offload protocol)" if result["colocated"] else "disaggregated"
     lines += [f"layout: {where}; KV cache holds {result['kv_cache_tokens']} tokens",
               f"peak {result['peak_gb_per_gpu']:.2f} GB of {result['gpu_mem_gb']:.0f} GB per GPU: "
