@@ -22,7 +22,9 @@ log = logging.getLogger("megatron_rl.train")
 
 def run(cfg: RunConfig) -> dict[str, float]:
     """Train for cfg.train.num_steps RL steps; returns the last step's metrics."""
-    check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
+    planned = check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
+    if planned is not None:
+        log.info("memory plan: peak %.1f of %.0f GB per GPU", planned["peak_gb_per_gpu"], planned["gpu_mem_gb"])
     run_ = build.build_run(cfg)
     memory = ColocatedMemory(run_.actor, run_.engine,
                              enabled=cfg.train.colocated_protocol and is_colocated(cfg))
