@@ -46,10 +46,13 @@ class Run:
             return 0
         return self.checkpointer.load_latest(self)
 
-    def maybe_save(self, step: int) -> None:
+    def save_due(self, step: int) -> bool:
         every = self.cfg.checkpoint.save_every
         last = step == self.cfg.train.num_steps - 1
-        if (every and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_final):
+        return bool(every and (step + 1) % every == 0) or (last and self.cfg.checkpoint.save_final)
+
+    def maybe_save(self, step: int) -> None:
+        if self.save_due(step):
             self.checkpointer.save(self, step + 1)
 
     def finish(self) -> None:

@@ -13,6 +13,7 @@ EPILOG = """examples:
   megatron-rl train examples/tiny/bf16.yaml train.num_steps=10 log.dir=runs/bf16
   megatron-rl train examples/tiny/fp8_calibrated.yaml --resume
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
+  megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpu-mem-gb 80
 """
 
 
@@ -27,7 +28,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.num_steps=10")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="memory per GPU of trainer and rollout; exit 1 if it does not fit")
+    plan.add_argument("config", help="YAML config file (see examples/)")
+    plan.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    plan.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU in GB (default 80)")
+    plan.add_argument("--rollout-nodes", type=int, default=None,
+                      help="disaggregated: nodes serving SGLang (default half of --nodes)")
+    plan.add_argument("--hf-config", default=None,
+                      help="HF config.json to plan with instead of model.hf_dir's")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
+        if args.command == "plan":
+            from megatron_rl.plan.report import main as plan_main
+            return plan_main(args)
         overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
         cfg = load_config(args.config, overrides)
     except ValueError as err:

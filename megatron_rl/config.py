@@ -192,6 +192,22 @@ class TrainConfig:
     """Supervised warm start (built-in tasks) before RL."""
     sft_lr: float = 1e-3
     sft_batch_size: int = 32
+    logprob_chunk_size: int = 2048
+    """Tokens per chunk of the log-prob / entropy computation (response tokens only, recomputed in
+    backward): extra memory O(chunk x vocab / TP) instead of O(sequence x vocab / TP). 0 = the whole
+    micro-batch at once, every position (the reference path)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a packed micro-batch: sequences are packed (positions and attention restart
+    per sequence) into micro-batches of at most this many tokens plus the FP8 padding. 0 = padded
+    rows, micro_batch_size per micro-batch. Must hold the longest sequence (prompt + response)."""
+    allow_oversized: bool = False
+    """Start on GPUs even when the memory plan (`megatron-rl plan`, docs/plan.md) says the config
+    does not fit. Off: training refuses such a config at start, printing the plan."""
+    colocated_protocol: bool = True
+    """Colocated engines (the embedded one always): release the engine's memory while training and
+    offload the trainer's parameters, gradients and optimizer state to host memory while the engine
+    works, in the order of megatron_rl/colocated.py. On CPU it frees nothing that matters but runs
+    the same order, so the CPU loop exercises it; false keeps both resident."""
 
 
 @dataclass
@@ -340,10 +356,22 @@ def validate(cfg: RunConfig) -> RunConfig:
     if (cfg.calib.enabled or cfg.calib.diagnose) and cfg.precision.train_recipe == "bf16":
         raise ValueError("config key 'calib.enabled': calibrated clipping calibrates FP8 against the "
                          "BF16 shadow; it needs precision.train_recipe other than 'bf16'")
+    _validate_token_budget(cfg)
     if cfg.rollout.engine == "sglang":
         validate_sglang(cfg.rollout.sglang)
     validate_parallel(cfg)
     return cfg
+
+
+def _validate_token_budget(cfg: RunConfig) -> None:
+    t = cfg.train
+    if t.logprob_chunk_size < 0:
+        raise ValueError(f"config key 'train.logprob_chunk_size': must be >= 0, got {t.logprob_chunk_size}")
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    if t.max_tokens_per_micro_batch < 0 or 0 < t.max_tokens_per_micro_batch < longest:
+        raise ValueError(f"config key 'train.max_tokens_per_micro_batch': {t.max_tokens_per_micro_batch} "
+                         f"must be 0 (off) or hold the longest sequence, data.max_prompt_len + "
+                         f"rollout.max_new_tokens = {longest}")
 
 
 def parse_override(text: str) -> tuple[str, Any]:

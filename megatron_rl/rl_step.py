@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl import collectives
+from megatron_rl.actor.packing import pack_batch, pad_multiple, per_sequence, unpack
 from megatron_rl.rl_batch import Batch, collate, mini_batches
 
 log = logging.getLogger("megatron_rl.rl_step")
@@ -127,11 +128,25 @@ def pad_rows(batch: Batch, multiple: int) -> tuple[Batch, int]:
     return {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:]) * 0]) for k, v in batch.items()}, rows
 
 
+def _actor_batch(run, batch: Batch):
+    """(actor batch, micro_batch_size, restore): sequences packed to the token budget, one packed
+    row per micro-batch (train.max_tokens_per_micro_batch > 0), or rows padded to micro_batch_size;
+    restore maps the actor's per-token outputs back to `batch`'s [B, S] layout."""
+    t = run.cfg.train
+    if t.max_tokens_per_micro_batch == 0:
+        padded, rows = pad_rows(batch, t.micro_batch_size)
+        return padded, t.micro_batch_size, lambda values: values[:rows]
+    sp = bool(run.actor.config.sequence_parallel)
+    multiple = pad_multiple(run.cfg.precision.train_recipe, run.parallel.tp_size, sp)
+    packed, index = pack_batch(batch, t.max_tokens_per_micro_batch, multiple)
+    return packed, 1, lambda values: unpack(values, index)
+
+
 def _logprobs(run, batch: Batch, fp8: bool = True) -> torch.Tensor:
-    mbs = run.cfg.train.micro_batch_size
-    padded, rows = pad_rows(batch, mbs)
-    out = run.actor.compute_logprobs(padded, micro_batch_size=mbs, with_entropy=False, fp8=fp8)
-    return out["logprobs"][:rows]
+    actor_batch, mbs, restore = _actor_batch(run, batch)
+    out = run.actor.compute_logprobs(actor_batch, micro_batch_size=mbs, with_entropy=False, fp8=fp8,
+                                     logprob_chunk_size=run.cfg.train.logprob_chunk_size)
+    return restore(out["logprobs"])
 
 
 def _reduce_sum(run, value: float) -> float:
@@ -231,6 +246,7 @@ def _loss_fn(run, denominator: float, bounds: tuple[float, float]):
     a = run.cfg.algo
 
     def loss_fn(logprobs, entropy, mb):
+        logprobs, entropy, mb = per_sequence(logprobs, entropy, mb)  # packed: seq-mean stays exact
         return policy_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], denominator=denominator,
             clip_low=bounds[0], clip_high=bounds[1], eps_clip_c=a.eps_clip_c, loss_agg_mode=a.loss_agg_mode,
@@ -259,9 +275,10 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
             if calibrating:
                 out.update(_calibrate(run, mb))
             denominator = loss_denominator(mb["loss_mask"], cfg.algo.loss_agg_mode, reduce=reduce)
-            result = run.actor.train_step(pad_rows(mb, cfg.train.micro_batch_size)[0],
-                                          _loss_fn(run, denominator, _bounds(run)),
-                                          micro_batch_size=cfg.train.micro_batch_size)
+            actor_mb, mbs, _ = _actor_batch(run, mb)
+            result = run.actor.train_step(actor_mb, _loss_fn(run, denominator, _bounds(run)),
+                                          micro_batch_size=mbs,
+                                          logprob_chunk_size=cfg.train.logprob_chunk_size)
             loss_metrics.extend(result["metrics"])
             grad_norms.append(result["grad_norm"])
             skipped_updates += int(result["skipped"])

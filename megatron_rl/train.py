@@ -13,36 +13,53 @@ import time
 import torch
 
 from megatron_rl import build, rl_step
+from megatron_rl.colocated import ColocatedMemory
 from megatron_rl.config import RunConfig, load_config
+from megatron_rl.plan.report import check_fits, is_colocated, job_cluster
 
 log = logging.getLogger("megatron_rl.train")
 
 
 def run(cfg: RunConfig) -> dict[str, float]:
     """Train for cfg.train.num_steps RL steps; returns the last step's metrics."""
+    planned = check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
+    if planned is not None:
+        log.info("memory plan: peak %.1f of %.0f GB per GPU", planned["peak_gb_per_gpu"], planned["gpu_mem_gb"])
     run_ = build.build_run(cfg)
+    memory = ColocatedMemory(run_.actor, run_.engine,
+                             enabled=cfg.train.colocated_protocol and is_colocated(cfg))
     start = run_.resume_step()
+    memory.before_sync()
     run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
+    memory.after_sync()
     metrics: dict[str, float] = {}
     try:  # finish() also stops engine servers and the reward worker when a step raises
         for step in range(start, cfg.train.num_steps):
-            metrics = _step(run_, step)
+            metrics = _step(run_, step, memory)
             run_.logger.log(step, metrics)
-            run_.maybe_save(step)
+            if run_.save_due(step):
+                with memory.trainer_on_device():
+                    run_.maybe_save(step)
     finally:
         run_.finish()
     return metrics
 
 
-def _step(run_: build.Run, step: int) -> dict[str, float]:
+def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:
     """One RL step; returns its metrics (a skipped step logs why and changes nothing)."""
     t0 = time.perf_counter()
     rollout = rl_step.generate(run_, run_.loader.next_batch(), step)
     metrics = dict(rollout.metrics)
+    if rollout.batch is not None:
+        metrics.update(memory.begin_training())  # colocated: engine out, trainer in
     batch = rl_step.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
     if batch is not None:
         metrics.update(rl_step.update_policy(run_, batch, step))
+    if batch is not None or (rollout.batch is not None and memory.enabled):
+        # A released engine lost its weights: even a skipped update pushes them again.
+        metrics.update(memory.before_sync())
         metrics.update(run_.sync.sync())
+        metrics.update(memory.after_sync())
     metrics["time/step"] = time.perf_counter() - t0
     return metrics
 

@@ -38,12 +38,7 @@ def prepare_tiny_model(cfg, cache_root: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = build_char_tokenizer()
     torch.manual_seed(cfg.train.seed)
-    model = make_tiny_hf_model(
-        cfg.model.tiny_arch, None, vocab_size=len(tokenizer), hidden_size=cfg.model.tiny_hidden_size,
-        num_hidden_layers=cfg.model.tiny_num_layers, num_attention_heads=cfg.model.tiny_num_heads,
-        num_key_value_heads=cfg.model.tiny_num_kv_heads, intermediate_size=cfg.model.tiny_ffn_hidden_size,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+    model = make_tiny_hf_model(cfg.model.tiny_arch, None, **tiny_model_kwargs(cfg, tokenizer))
     if cfg.train.sft_steps > 0:
         sft_warm_start(model, tokenizer, cfg)
     model.save_pretrained(tmp)
@@ -55,6 +50,16 @@ def prepare_tiny_model(cfg, cache_root: str | Path) -> Path:
             raise
         shutil.rmtree(tmp)  # a concurrent run published the same (deterministic) model first
     return out
+
+
+def tiny_model_kwargs(cfg, tokenizer) -> dict:
+    """HF config fields of the tiny model (models/tiny.py defaults fill the rest)."""
+    m = cfg.model
+    return dict(vocab_size=len(tokenizer), hidden_size=m.tiny_hidden_size,
+                num_hidden_layers=m.tiny_num_layers, num_attention_heads=m.tiny_num_heads,
+                num_key_value_heads=m.tiny_num_kv_heads, intermediate_size=m.tiny_ffn_hidden_size,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
 
 
 def _sft_batch(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

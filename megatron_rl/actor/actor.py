@@ -23,6 +23,7 @@ from megatron_rl.actor import build as _build
 from megatron_rl.actor import weights
 from megatron_rl.actor.batch import split_micro_batches, validate_batch
 from megatron_rl.actor.forward import LossFn, compute_device, make_forward_step, unwrap_model
+from megatron_rl.actor.offload import StorageOffloader
 from megatron_rl.actor.parallel import ParallelInfo
 from megatron_rl.actor.settings import ResolvedSettings, plain_settings
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
@@ -50,6 +51,7 @@ class MegatronActor:
         self.inv_freq = rope_inv_freq(spec)
         self.layer_offset = _layer_offset(config, parallel)
         self._params = weights.global_params(model, self.layer_offset)
+        self._offloader = StorageOffloader()
 
     @classmethod
     def build(cls, spec_or_hf_dir: ModelSpec | str | Path, *, parallel: ParallelInfo,
@@ -137,15 +139,17 @@ class MegatronActor:
     # ---- forward / backward --------------------------------------------------------------
 
     def compute_logprobs(self, batch: dict, *, micro_batch_size: int, with_entropy: bool = True,
-                         fp8: bool = True) -> dict[str, torch.Tensor]:
+                         fp8: bool = True, logprob_chunk_size: int = 0) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and entropy) [B, S] float32 without grad, on every rank.
 
         logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t]); 0 at t = 0 and at the first token of
         each packed sequence. fp8=False runs the BF16 shadow (quantization off).
+        logprob_chunk_size > 0: only loss-mask tokens, that many at a time (0 elsewhere).
         """
         self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
-        step = make_forward_step(self.inv_freq, self.parallel.tp_group, None, with_entropy)
+        step = make_forward_step(self.inv_freq, self.parallel.tp_group, None, with_entropy,
+                                 logprob_chunk_size, thd=self.use_te)
         for chunk in self.model:
             chunk.eval()
         with torch.no_grad(), _precision(self.config, fp8):
@@ -156,7 +160,8 @@ class MegatronActor:
             result["entropy"] = self._from_last_stage(outputs, "entropy", shape)
         return result
 
-    def train_step(self, batch: dict, loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, Any]:
+    def train_step(self, batch: dict, loss_fn: LossFn, *, micro_batch_size: int,
+                   logprob_chunk_size: int = 0) -> dict[str, Any]:
         """Forward/backward over micro-batches (gradient accumulation), then one optimizer step.
 
         loss_fn(logprobs [b, S], entropy [b, S], micro_batch) -> (loss, metrics): loss a scalar
@@ -164,10 +169,13 @@ class MegatronActor:
         micro-batch losses, summed over DP ranks); metrics values float64 [2] (numerator, denominator).
         Returns {"grad_norm", "lr", "loss" (sum over micro-batches), "metrics" (list per
         micro-batch), "skipped" (non-finite grad norm: no update)} on every rank.
+        logprob_chunk_size > 0: log-probs / entropy of loss-mask tokens only, in chunks, recomputed
+        in backward (0 elsewhere).
         """
         self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
-        step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn)
+        step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn,
+                                 logprob_chunk_size=logprob_chunk_size, thd=self.use_te)
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -183,10 +191,10 @@ class MegatronActor:
 
     def _validate(self, batch: dict, micro_batch_size: int) -> None:
         validate_batch(batch, self.spec.vocab_size, micro_batch_size)
-        if self.use_te and "seq_lens" in batch:
-            # TE's causal attention ignores the block-diagonal mask (it would need THD packing).
-            raise ValueError("batch['seq_lens'] (packed rows) needs the local layer spec "
-                             "(use_te=False); send padded rows with the TE spec")
+        if self.use_te and "seq_lens" in batch and micro_batch_size != 1:
+            # THD packing (TE spec) runs one packed row per micro-batch.
+            raise ValueError(f"batch['seq_lens'] (packed rows) with the TE spec needs "
+                             f"micro_batch_size=1, got {micro_batch_size}")
         seq_len, tp = batch["tokens"].shape[1], self.parallel.tp_size
         if self.settings.sequence_parallel and seq_len % tp:
             # SP splits the sequence over the TP ranks (mappings.py scatter along dim 0).
@@ -238,6 +246,34 @@ class MegatronActor:
         box = [objects if par.is_last_stage else None]
         dist.broadcast_object_list(box, src=par.last_stage_rank, group=par.pp_group)
         return box[0]
+
+    # ---- colocated offload ---------------------------------------------------------------
+
+    def offload(self, groups: tuple[str, ...] = ("grads", "optimizer", "params")) -> int:
+        """Free this rank's device memory of `groups` (copies kept in pinned host memory);
+        returns the bytes freed. Nothing may touch the offloaded tensors until `reload`."""
+        return self._offloader.offload(t for group in groups for t in self._state_tensors(group))
+
+    def reload(self) -> int:
+        """Bring back everything `offload` freed, bitwise; returns the bytes."""
+        return self._offloader.reload()
+
+    def _state_tensors(self, group: str) -> list[torch.Tensor]:
+        params = [p for chunk in self.model for p in chunk.parameters()]
+        if group == "params":
+            return params
+        if group == "grads":
+            return [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+        if group == "optimizer":
+            # FP32 master copies (mixed precision) and Adam moments; with FP32 weights the optimizer's
+            # parameters are the model's own, which belong to "params".
+            own = {p.untyped_storage().data_ptr() for p in params}
+            masters = [p for g in self.optimizer.param_groups for p in g["params"]
+                       if p.untyped_storage().data_ptr() not in own]
+            moments = [t for _, state in self.optimizer.state.items() for t in state.values()
+                       if torch.is_tensor(t)]
+            return masters + moments
+        raise ValueError(f"offload group {group!r} is not one of ('grads', 'optimizer', 'params')")
 
     # ---- state ---------------------------------------------------------------------------
 

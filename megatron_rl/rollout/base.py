@@ -77,8 +77,10 @@ class RolloutEngine(abc.ABC):
         engine.resume()
         engine.checksum(names)                          # optional: digests of what is held
 
-    Colocated runs call release_memory() before training and resume_memory() after it; released
-    weights are discarded (as SGLang's release_memory_occupation), so a full update must follow.
+    Colocated runs call release_memory() before training, then resume_memory(("weights",)), the
+    weight update, and resume_memory(("kv_cache",)) (megatron_rl/colocated.py owns the order);
+    released weights are discarded (as SGLang's release_memory_occupation), so a full update must
+    follow. tags=None means both regions.
     """
 
     @abc.abstractmethod
@@ -107,12 +109,13 @@ class RolloutEngine(abc.ABC):
         """Serve generate() again."""
 
     @abc.abstractmethod
-    def release_memory(self) -> None:
-        """Free weight (and cache) memory; the weights are lost until the next full update."""
+    def release_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """Free the "weights" and/or "kv_cache" regions; released weights are lost until the next
+        full update."""
 
     @abc.abstractmethod
-    def resume_memory(self) -> None:
-        """Re-allocate memory released by release_memory()."""
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """Re-allocate regions released by release_memory() ("weights", "kv_cache"; None: both)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -263,12 +263,13 @@ class SGLangEngine(RolloutEngine):
     def resume(self) -> None:
         self.broadcast("/continue_generation", {})
 
-    def release_memory(self) -> None:
-        """Colocated: free weights and KV cache (SGLang discards the weights: a full update follows)."""
-        self.broadcast("/release_memory_occupation", {})
+    def release_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """Colocated: free weights and/or KV cache (SGLang discards the weights: a full update
+        follows). Tags as ReleaseMemoryOccupationReqInput.tags (managers/io_struct.py)."""
+        self.broadcast("/release_memory_occupation", {"tags": list(tags)} if tags else {})
 
-    def resume_memory(self) -> None:
-        self.broadcast("/resume_memory_occupation", {})
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        self.broadcast("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
 
     def check_weights(self, action: str = "checksum", allow_quant_error: bool = False) -> list[dict]:
         """SGLang's /weights_checker on every server (checksum | snapshot | reset_tensors | compare)."""

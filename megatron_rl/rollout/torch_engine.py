@@ -121,12 +121,14 @@ class TorchRolloutEngine(RolloutEngine):
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._quantized: dict[str, nn.Module] = self._quantize_linears() if rollout_quant != "bf16" else {}
         self._held = self._held_tensors()
+        self._own_storage()
         self._version = 0
         self._pending_version: int | None = None  # an update is in progress
         self._pending_fp8: dict[str, dict[str, torch.Tensor]] = {}  # module -> halves of an FP8 pair
         self._updated: set[str] = set()  # held names written during the update in progress
         self._paused = self._released = self._needs_full_update = self._shut_down = False
-        self._released_shapes: dict[str, torch.Size] = {}
+        self._kv_released = False  # generate() allocates its cache; released = not allowed to
+        self._released_shapes: dict[str, tuple[torch.Size, tuple[int, ...]]] = {}
 
     # ---- construction helpers ------------------------------------------------------------
 
@@ -154,6 +156,16 @@ class TorchRolloutEngine(RolloutEngine):
         )
         return {n: m for n, m in self.model.named_modules() if isinstance(m, w8a8.W8A8Linear)}
 
+    def _own_storage(self) -> None:
+        """Move every held tensor into storage of our own allocator. from_pretrained may leave
+        tensors in safetensors' mmap at arbitrary alignment, and CPU GEMMs pick different kernels
+        (and summation orders) for differently aligned operands: an engine re-allocated by
+        resume_memory() would then differ in the last bits from a fresh one, and a resumed run
+        would not repeat an uninterrupted one."""
+        for t in self._unique_held():
+            fresh = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            t.data = fresh.copy_(t.data)
+
     def _held_tensors(self) -> dict[str, torch.Tensor]:
         """{HF name: tensor} of every persistent tensor the model holds (tied names share one)."""
         return dict(self.model.state_dict(keep_vars=True))
@@ -166,6 +178,8 @@ class TorchRolloutEngine(RolloutEngine):
             raise RuntimeError("generate() on a paused engine; call resume() first")
         if self._released:
             raise RuntimeError("generate() after release_memory(); call resume_memory() and push weights")
+        if self._kv_released:
+            raise RuntimeError("generate() with the KV cache released; call resume_memory(('kv_cache',))")
         if self._pending_version is not None:
             raise RuntimeError(
                 f"generate() while the update to version {self._pending_version} is incomplete; "
@@ -399,26 +413,35 @@ class TorchRolloutEngine(RolloutEngine):
         self._require_alive()
         self._paused = False
 
-    def release_memory(self) -> None:
-        """Drop every held tensor's storage (rotary tables and other derived buffers stay)."""
+    def release_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """"weights": drop every held tensor's storage and the W8A8 dequantized copies (rotary
+        tables and other derived buffers stay); "kv_cache": refuse generate() until resumed."""
         self._require_alive()
-        if self._released:
+        tags = _check_tags(tags)
+        self._kv_released |= "kv_cache" in tags
+        if self._released or "weights" not in tags:
             return
-        self._released_shapes = {name: t.shape for name, t in self._held.items()}
+        # Strides too: a re-allocated transposed weight must stay transposed, or the GEMMs change
+        # their summation order and the rollout log-probs move in the last bits.
+        self._released_shapes = {name: (t.shape, t.stride()) for name, t in self._held.items()}
         for t in self._unique_held():
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         for module in self._quantized.values():
             module.clear_cache()  # W8A8Linear's cached dequantized weight: free it with the storage
         self._released = True
 
-    def resume_memory(self) -> None:
-        """Allocate (uninitialized) storage again; generate() refuses until a full update lands."""
+    def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """"weights": allocate (uninitialized) storage again, generate() refusing until a full
+        update lands; "kv_cache": serve generate() again."""
         self._require_alive()
-        if not self._released:
+        tags = _check_tags(tags)
+        self._kv_released &= "kv_cache" not in tags
+        if not self._released or "weights" not in tags:
             return
         for name, t in self._held.items():
-            if t.numel() != self._released_shapes[name].numel():  # tied names: allocate once
-                t.data = torch.empty(self._released_shapes[name], dtype=t.dtype, device=t.device)
+            shape, stride = self._released_shapes[name]
+            if t.numel() != shape.numel():  # tied names: allocate once
+                t.data = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
         self._released, self._needs_full_update = False, True
 
     def _unique_held(self) -> list[torch.Tensor]:
@@ -444,3 +467,12 @@ class TorchRolloutEngine(RolloutEngine):
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{key}={value!r}; choose one of {choices}")
+
+
+def _check_tags(tags: tuple[str, ...] | None) -> tuple[str, ...]:
+    """SGLang's memory regions (constants.py GPU_MEMORY_TYPE_*); None = both."""
+    tags = ("weights", "kv_cache") if tags is None else tuple(tags)
+    bad = [t for t in tags if t not in ("weights", "kv_cache")]
+    if bad:
+        raise ValueError(f"memory tags {bad} are not 'weights' or 'kv_cache'")
+    return tags

@@ -136,10 +136,10 @@ def handle(state: State, path: str, body: dict):
     if path == "/update_weights_from_disk":
         return load_from_disk(s, body)
     if path == "/release_memory_occupation":
-        e.release_memory()
+        e.release_memory(tuple(body["tags"]) if body.get("tags") else None)
         return None
     if path == "/resume_memory_occupation":
-        e.resume_memory()
+        e.resume_memory(tuple(body["tags"]) if body.get("tags") else None)
         return None
     if path == "/weights_checker":
         return check_weights(s, body)

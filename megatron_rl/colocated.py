@@ -1,0 +1,81 @@
+"""The colocated memory protocol: the trainer and the rollout engine take turns on the same devices.
+
+One RL step, as train.py runs it (design.md section 10; slime's train.py orders the same calls):
+
+    rollout = generate(...)      # engine: weights + KV cache; trainer: offloaded
+    memory.begin_training()      # engine.release_memory(); trainer.reload()
+    ...                          # old log-probs, BF16 shadow, PPO updates
+    memory.before_sync()         # trainer.offload(grads, optimizer); engine.resume_memory(weights)
+    sync.sync()                  # trainer parameters -> engine weights
+    memory.after_sync()          # trainer.offload(params); engine.resume_memory(kv_cache)
+
+The parameters leave the device after the sync, not before it: the export all-gathers TP shards
+on the device, and the BF16 parameters are 2 of Megatron's 18 bytes per parameter. The KV cache
+comes back last, so the sync never competes with it. With the protocol disabled (disaggregated
+engines, or train.colocated_protocol=false) every call is a no-op. The engine exists on the engine rank only; every rank offloads
+its own trainer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+GB = 1024**3
+
+
+class ColocatedMemory:
+    """Owns the order of release / offload / resume calls; tracks who holds the device."""
+
+    def __init__(self, actor, engine, enabled: bool) -> None:
+        self.actor = actor
+        self.engine = engine
+        self.enabled = enabled
+        self._engine_released = False
+        self._trainer_offloaded = False
+
+    def begin_training(self) -> dict[str, float]:
+        """Engine out, trainer in (before the old log-probs)."""
+        if not self.enabled:
+            return {}
+        t0 = time.perf_counter()
+        if self.engine is not None:
+            self.engine.release_memory()
+            self._engine_released = True
+        reloaded = self.actor.reload() if self._trainer_offloaded else 0
+        self._trainer_offloaded = False
+        return {"memory/trainer_reloaded_gb": reloaded / GB, "time/memory_release": time.perf_counter() - t0}
+
+    def before_sync(self) -> dict[str, float]:
+        """Gradients and optimizer state out, engine weights back (uninitialised until the sync)."""
+        if not self.enabled:
+            return {}
+        t0 = time.perf_counter()
+        freed = self.actor.offload(("grads", "optimizer"))
+        self._trainer_offloaded = True
+        if self.engine is not None and self._engine_released:
+            self.engine.resume_memory(("weights",))
+        return {"memory/trainer_offloaded_gb": freed / GB, "time/memory_offload": time.perf_counter() - t0}
+
+    def after_sync(self) -> dict[str, float]:
+        """Parameters out, engine KV cache back: the engine can generate."""
+        if not self.enabled:
+            return {}
+        t0 = time.perf_counter()
+        freed = self.actor.offload(("params",))
+        if self.engine is not None and self._engine_released:
+            self.engine.resume_memory(("kv_cache",))
+            self._engine_released = False
+        return {"memory/params_offloaded_gb": freed / GB, "time/memory_resume": time.perf_counter() - t0}
+
+    @contextlib.contextmanager
+    def trainer_on_device(self):
+        """The trainer's state on the device for the block (a checkpoint save), as it was after."""
+        if not self._trainer_offloaded:
+            yield
+            return
+        self.actor.reload()
+        try:
+            yield
+        finally:
+            self.actor.offload()
