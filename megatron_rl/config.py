@@ -148,9 +148,9 @@ class CalibConfig:
     alpha_tolerance: float = 0.002
     """Match slack as a fraction of a side's (loss-weighted) tokens: any bound whose clip mass is
     within it of the BF16 target is exact, and the one closest to the BF16 bound is taken."""
-    alpha_tolerance_tokens: float = 2.0
+    alpha_tolerance_tokens: float = 1.0
     """The same slack in tokens (the larger of the two applies): a few tokens can't move a bound."""
-    balance: str = "count"
+    balance: str = "abs_adv"
     """How a side's update mass is measured for H: count | abs_adv | abs_adv_ratio (docs/algo.md)."""
     log_ratio_range: float = 2.0
     """The histogram spans log r in [-R, R]; ratios beyond are clamped into the end bins, and a

@@ -12,6 +12,7 @@ batches are those of the recorded run, whatever bounds it applied.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -79,14 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=1, help="use every n-th saved histogram (a longer period)")
     parser.add_argument("--balances", nargs="*", default=list(BALANCES), choices=list(BALANCES))
     parser.add_argument("--smoothing", nargs="*", type=float, default=[1.0, 0.5, 0.25])
+    parser.add_argument("--tolerance-tokens", nargs="*", type=float, default=[Rules().alpha_tolerance_tokens])
     args = parser.parse_args(argv)
     runs = {d: load_histograms(Path(d))[:: args.every] for d in args.dirs}
     results = []
-    for balance in args.balances:
-        for smoothing in args.smoothing:
-            per_run = [replay(saved, balance, smoothing, Rules()) for saved in runs.values() if len(saved) > 1]
-            mean = {k: _mean([r[k] for r in per_run]) for k in per_run[0]}
-            results.append({"balance": balance, "smoothing": smoothing, "runs": len(per_run), **mean})
+    for balance, smoothing, tokens in itertools.product(args.balances, args.smoothing, args.tolerance_tokens):
+        rules = Rules(alpha_tolerance_tokens=tokens)
+        per_run = [replay(saved, balance, smoothing, rules) for saved in runs.values() if len(saved) > 1]
+        mean = {k: _mean([r[k] for r in per_run]) for k in per_run[0]}
+        results.append({"balance": balance, "smoothing": smoothing, "tolerance_tokens": tokens,
+                        "runs": len(per_run), **mean})
     json.dump(results, sys.stdout, indent=1)
     print()
     return 0

@@ -30,8 +30,8 @@ class Rules(NamedTuple):
     low_min: float = 0.5
     high_max: float = 2.0
     alpha_tolerance: float = 0.002  # fraction of the side's (weighted) total
-    alpha_tolerance_tokens: float = 2.0  # tokens, at the side's mean weight per token
-    balance: str = "count"
+    alpha_tolerance_tokens: float = 1.0  # tokens, at the side's mean weight per token
+    balance: str = "abs_adv"
 
 
 def check_rules(rules: Rules, eps_low: float, eps_high: float) -> None:
