@@ -201,6 +201,7 @@ SHADOW_KEYS = {
     "false_clip/low_neg": "shadow/false_clip_low_neg", "missed_clip/low_neg": "shadow/missed_clip_low_neg",
     "false_clip/share": "shadow/false_clip_share", "log_ratio/std": "shadow/log_ratio_fp8_std",
     "log_ratio_ref/std": "shadow/log_ratio_bf16_std",
+    "false_clip/high_pos": "shadow/false_clip_high_pos", "missed_clip/high_pos": "shadow/missed_clip_high_pos",
 }
 # Metrics of the first mini-batch, trained at theta_old: any ratio spread there is precision noise.
 NOISE_KEYS = {"log_ratio/std": "noise/log_ratio_std_at_old", "clip/low_neg": "noise/clip_low_neg_at_old",

@@ -193,6 +193,8 @@ class CalibratedClipController:
             out[f"calib/low_{name}"] = float(statuses[0] == name)
         for name in HIGH_STATUSES:
             out[f"calib/high_{name}"] = float(statuses[1] == name)
+        out["calib/high_kept"] = float(statuses[1] in ("unattainable", "edge", "no_bf16_upper_clip", "undefined"))
+        out["calib/clamped"] = float("clamped" in statuses)
         return out
 
     def state_dict(self) -> dict[str, float | int]:
