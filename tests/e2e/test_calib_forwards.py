@@ -3,18 +3,8 @@ rows only (paper.md 1.4), and the FP8 ratio comes from the training forward itse
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from megatron_rl.config import load_config
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tiny"
-TINY = [
-    "model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "train.sft_steps=30",
-    "train.sft_batch_size=16", "data.prompts_per_step=4", "data.num_examples=64",
-    "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8", "train.micro_batch_size=4",
-    "train.num_mini_batches=2", "train.ppo_epochs=2", "log.progress=false", "log.tensorboard=false",
-    "log.plot=false", "calib.period=2", "checkpoint.save_final=false", "reward.name=position_match",
-]
+from test_rl_loop import EXAMPLES, TINY
 
 
 def test_calibration_step_runs_two_bf16_forwards_on_the_calibration_rows(tmp_path):
