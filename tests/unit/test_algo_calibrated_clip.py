@@ -406,3 +406,17 @@ def test_bounds_always_finite_and_in_range(kind):
             low, high = ctrl.bounds
             assert math.isfinite(low) and math.isfinite(high)
             assert 0.6 <= low <= 1.0 <= high <= 1.8 and low < high
+
+
+def test_loss_token_weights_are_the_factors_the_loss_applies():
+    from megatron_rl.algo.policy_loss import loss_token_weights
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    # seq-mean-token-mean: every token of a sequence of n tokens weighs 1/n; padding 0
+    assert torch.allclose(loss_token_weights(mask, "seq-mean-token-mean"),
+                          torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.5, 0.5, 0.0, 0.0]]))
+    assert torch.equal(loss_token_weights(mask, "token-mean"), mask)
+    # TIS truncate at 2: w = exp(old - rollout) = (3 -> 2, 0.5, 1, 1)
+    old = torch.log(torch.tensor([[3.0, 0.5, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    w = loss_token_weights(mask, "token-mean", old, torch.zeros(2, 4), use_tis=True, mode="truncate", tis_clip=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]]))
