@@ -129,7 +129,7 @@ def score_bounds(hist: RatioHistogram, low: float, high: float, balance: str) ->
 
 
 def balance_metrics(hist: RatioHistogram, low: float, high: float) -> dict[str, float]:
-    """Every balance definition at once: BF16's, FP8's at (L, H) and at 1 -/+ eps, and the H it would pick."""
+    """Every balance definition at once: BF16's, and FP8's at (L, H) and at 1 -/+ eps."""
     out = {}
     default = (1.0 - hist.eps_low, 1.0 + hist.eps_high)
     for b in BALANCES:
