@@ -155,10 +155,15 @@ def build_sglang(cfg: RunConfig, model_dir: Path):
 
 
 def build_controller(cfg: RunConfig):
+    from megatron_rl.algo.calib_solve import Rules
     from megatron_rl.algo.calibrated_clip import CalibratedClipController
     c, a = cfg.calib, cfg.algo
+    rules = Rules(low_min=c.low_min, high_max=c.high_max, alpha_tolerance=c.alpha_tolerance,
+                  alpha_tolerance_tokens=c.alpha_tolerance_tokens, balance=c.balance)
     return CalibratedClipController(eps_low=a.eps_clip, eps_high=a.eps_clip_high, period=c.period,
-                                    smoothing=c.smoothing, num_bins=c.num_bins, mode=c.mode)
+                                    smoothing=c.smoothing, num_bins=c.num_bins, mode=c.mode,
+                                    init_low=c.init_low, init_high=c.init_high,
+                                    log_ratio_range=c.log_ratio_range, rules=rules)
 
 
 def build_actor_settings(cfg: RunConfig):

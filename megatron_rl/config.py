@@ -126,8 +126,9 @@ class CalibConfig:
     enabled: bool = False
     period: int = 20
     """K: recalibrate (two BF16 shadow forwards) every K steps."""
-    smoothing: float = 1.0
-    """EMA weight of a new calibration (1.0 = take it as is)."""
+    smoothing: float = 0.5
+    """EMA weight of a new L (1.0 = take it as is); H is then solved at the smoothed L so the
+    applied pair still balances. Default from the ablation in docs/algo.md."""
     mode: str = "two_sided"
     """two_sided (L by quantile matching, H rebalanced) | lower_only (the one-sided ablation)."""
     num_bins: int = 2048
@@ -135,6 +136,27 @@ class CalibConfig:
     diagnose: bool = False
     """Run the BF16 shadow every `period` steps for telemetry (false-clip rate, log-ratio std)
     even when calibration is off: how the vanilla-FP8 failure is measured."""
+    init_low: float | None = None
+    """L before the first calibration; None = 1 - algo.eps_clip (the paper's ablation used 0.6)."""
+    init_high: float | None = None
+    """H before the first calibration and while H can't be solved; None = 1 + algo.eps_clip_high
+    (the paper's default 1.8)."""
+    low_min: float = 0.5
+    """L is held in [low_min, 1]."""
+    high_max: float = 2.0
+    """H is held in [1, high_max]."""
+    alpha_tolerance: float = 0.002
+    """Match slack as a fraction of a side's (loss-weighted) tokens: any bound whose clip mass is
+    within it of the BF16 target is exact, and the one closest to the BF16 bound is taken."""
+    alpha_tolerance_tokens: float = 1.0
+    """The same slack in tokens (the larger of the two applies): a few tokens can't move a bound."""
+    balance: str = "abs_adv"
+    """How a side's update mass is measured for H: count | abs_adv | abs_adv_ratio (docs/algo.md)."""
+    log_ratio_range: float = 2.0
+    """The histogram spans log r in [-R, R]; ratios beyond are clamped into the end bins, and a
+    bound landing in such a bin is not trusted (the previous one is kept)."""
+    dump_dir: str = ""
+    """If set, every reduced calibration histogram is saved there (offline ablations)."""
 
 
 @dataclass
@@ -263,6 +285,7 @@ _CHOICES = {
     "algo.tis_mode": ("truncate", "icepop"),
     "algo.kl_loss_type": ("k1", "k2", "k3"),
     "calib.mode": ("two_sided", "lower_only"),
+    "calib.balance": ("count", "abs_adv", "abs_adv_ratio"),
     "rollout.engine": ("torch", "sglang"),
     "model.tiny_arch": ("llama", "qwen2", "qwen3"),
 }
@@ -360,6 +383,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.rollout.engine == "sglang":
         validate_sglang(cfg.rollout.sglang)
     validate_parallel(cfg)
+    _validate_calib(cfg)
     return cfg
 
 
@@ -372,6 +396,18 @@ def _validate_token_budget(cfg: RunConfig) -> None:
         raise ValueError(f"config key 'train.max_tokens_per_micro_batch': {t.max_tokens_per_micro_batch} "
                          f"must be 0 (off) or hold the longest sequence, data.max_prompt_len + "
                          f"rollout.max_new_tokens = {longest}")
+
+
+def _validate_calib(cfg: RunConfig) -> None:
+    """The controller's own checks, reported against the config key they come from."""
+    from megatron_rl.build import build_controller
+
+    try:
+        build_controller(cfg)
+    except ValueError as err:
+        key = next((k for k in ("init_low", "init_high", "low_min", "high_max", "alpha_tolerance_tokens",
+                                "alpha_tolerance", "log_ratio_range") if str(err).startswith(k)), "calib")
+        raise ValueError(f"config key 'calib.{key}': {err}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:

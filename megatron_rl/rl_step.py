@@ -77,7 +77,7 @@ def generate(run, prompts, step: int) -> Rollout:
     samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
     samples = _broadcast_from_engine_rank(samples, run.parallel)
     t_rollout = time.perf_counter() - t0
-    rewards, metrics = _score(run, prompts, samples)
+    rewards, metrics = _score_on_engine_rank(run, prompts, samples)
     n = run.cfg.rollout.n_samples_per_prompt
     keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
@@ -107,6 +107,14 @@ def _drop_groups(batch: Batch, keep: torch.Tensor, dp_size: int) -> Batch:
     batch["loss_mask"] = batch["loss_mask"] * keep[:, None]
     batch["advantages"] = batch["advantages"] * keep[:, None]
     return batch
+
+
+def _score_on_engine_rank(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rewards are scored once per model replica and broadcast: scoring on every TP x PP rank
+    under a wall-clock timeout could give the ranks different advantages, hence different (L, H)
+    and losses inside one replica."""
+    scored = _score(run, prompts, samples) if run.is_engine_rank else None
+    return _broadcast_from_engine_rank(scored, run.parallel)
 
 
 def _broadcast_from_engine_rank(samples, parallel):
@@ -162,8 +170,8 @@ def _reduced_means(run, named: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> Batch | None:
-    """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's) and, on calibration
-    steps, the BF16 shadow old log-probs at the same weights.
+    """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's). The BF16 shadow's
+    old log-probs are computed in update_policy, on the calibration rows only.
 
     Returns None (the step is skipped: no update, no sync) when there is nothing to train on or
     when any old log-prob on a response token is NaN/Inf: never a silent wrong update.
@@ -175,8 +183,6 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> B
         batch["old_logprobs"] = batch["rollout_logprobs"].clone()
     else:
         batch["old_logprobs"] = _logprobs(run, batch)
-    if _shadow_step(run, step):
-        batch["old_logprobs_ref"] = _logprobs(run, batch, fp8=False)
     metrics["time/old_logprobs"] = time.perf_counter() - t0
     bad = _count_nonfinite(run, batch)
     metrics["guard/nonfinite_logprobs"] = bad
@@ -195,7 +201,7 @@ def _count_nonfinite(run, batch: Batch) -> float:
 
 def _shadow_step(run, step: int) -> bool:
     c = run.cfg.calib
-    return (c.enabled or c.diagnose) and step % c.period == 0
+    return (c.enabled or c.diagnose) and run.controller.should_calibrate(step)
 
 
 def _bounds(run) -> tuple[float, float]:
@@ -210,6 +216,7 @@ SHADOW_KEYS = {
     "false_clip/low_neg": "shadow/false_clip_low_neg", "missed_clip/low_neg": "shadow/missed_clip_low_neg",
     "false_clip/share": "shadow/false_clip_share", "log_ratio/std": "shadow/log_ratio_fp8_std",
     "log_ratio_ref/std": "shadow/log_ratio_bf16_std",
+    "false_clip/high_pos": "shadow/false_clip_high_pos", "missed_clip/high_pos": "shadow/missed_clip_high_pos",
 }
 # Metrics of the first mini-batch, trained at theta_old: any ratio spread there is precision noise.
 NOISE_KEYS = {"log_ratio/std": "noise/log_ratio_std_at_old", "clip/low_neg": "noise/clip_low_neg_at_old",
@@ -223,43 +230,112 @@ def _renamed(metrics: dict[str, float], names: dict[str, str]) -> dict[str, floa
     return {new: metrics[old] for old, new in names.items() if old in metrics}
 
 
-def _calibrate(run, mb: Batch) -> dict[str, float]:
-    """BF16 shadow at the current weights on the calibration mini-batch -> new (L, H).
+# Loss-metric key carrying the calibration histogram of one micro-batch (popped before reducing).
+HIST_KEY = "calib/_histogram"
 
-    Sets mb["ratio_ref"] so the loss reports false clips on these tokens. Without calibration
-    (diagnose only) a scratch copy of the controller computes what calibration would choose.
+
+def _shadow_old(run, mb: Batch) -> None:
+    """Extra forward #1 (paper.md 1.4): BF16 at theta_old, on the calibration rows only. With the
+    rollout's log-probs as old log-probs, both ratios share that denominator and no pass is needed."""
+    mb["old_logprobs_ref"] = mb["old_logprobs"] if run.cfg.algo.use_rollout_logprobs else _logprobs(run, mb, fp8=False)
+
+
+def _shadow_ratio(run, mb: Batch) -> None:
+    """Extra forward #2: BF16 at the current weights, so the loss can report false clips on these
+    tokens and the histogram can pair each FP8 ratio with its BF16 twin."""
+    mb["ratio_ref"] = torch.exp((_logprobs(run, mb, fp8=False) - mb["old_logprobs_ref"]) * mb["loss_mask"])
+
+
+def _histogram_payload(run, logprobs: torch.Tensor, mb: Batch) -> torch.Tensor:
+    """This micro-batch's calibration histogram: the FP8 ratio of the training forward itself,
+    every token weighted as the loss weighs it (TIS / IcePop, aggregation, dual-clip)."""
+    from megatron_rl.algo.policy_loss import LOG_RATIO_CLAMP, loss_token_weights
+
+    a = run.cfg.algo
+    mask, old = mb["loss_mask"].cpu(), mb["old_logprobs"].cpu()
+    log_ratio = ((logprobs.detach().float().cpu() - old) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weights = loss_token_weights(mask, a.loss_agg_mode, old, mb["rollout_logprobs"].cpu(), a.use_tis,
+                                 mode=a.tis_mode, tis_clip=a.tis_clip, tis_clip_low=a.tis_clip_low,
+                                 icepop_low=a.icepop_low, icepop_high=a.icepop_high)
+    hist = run.controller.new_histogram()
+    hist.add(log_ratio.exp(), mb["ratio_ref"].cpu(), mb["advantages"].cpu(), mask, weights=weights,
+             dual_clip=a.eps_clip_c)
+    return hist.payload
+
+
+def _calibrate(run, metric_dicts: list[dict], step: int) -> dict[str, float]:
+    """New (L, H) from the calibration mini-batch's histograms (popped from its loss metrics).
+
+    Without calibration (diagnose only) the controller still runs, but its bounds are not applied.
     """
-    import copy
-
-    cur8, cur16 = _logprobs(run, mb), _logprobs(run, mb, fp8=False)
-    mask = mb["loss_mask"]
-    ratio8 = torch.exp((cur8 - mb["old_logprobs"]) * mask)
-    mb["ratio_ref"] = torch.exp((cur16 - mb["old_logprobs_ref"]) * mask)
-    controller = run.controller if run.cfg.calib.enabled else copy.deepcopy(run.controller)
-    out = controller.update(ratio8, mb["ratio_ref"], mb["advantages"], mask, reduce=run.parallel.dp_reducer())
+    hist = run.controller.new_histogram()
+    for m in metric_dicts:
+        hist.merge(m.pop(HIST_KEY))
+    out = run.controller.update_from_histogram(hist, reduce=run.parallel.dp_reducer(), step=step)
+    assert_same_across_model_parallel(run.controller.bounds, run.parallel)
+    _log_calibration(run, out, step)
+    if run.cfg.calib.dump_dir and run.is_log_rank:
+        _dump_histogram(run, hist, step)
     return out if run.cfg.calib.enabled else _renamed(out, DIAGNOSE_KEYS)
 
 
-def _loss_fn(run, denominator: float, bounds: tuple[float, float]):
+def assert_same_across_model_parallel(bounds: tuple[float, float], parallel) -> None:
+    """(L, H) must be bitwise identical on every TP x PP rank of a replica (RuntimeError if not)."""
+    if parallel.tp_size * parallel.pp_size == 1:
+        return
+    everyone = collectives.all_gather_objects(tuple(bounds), parallel.mp_group)
+    if any(b != everyone[0] for b in everyone):
+        raise RuntimeError(f"calibrated (L, H) differ across the model-parallel group: {everyone}")
+
+
+def _log_calibration(run, out: dict[str, float], step: int) -> None:
+    if out["calib/skipped"]:
+        reason = next(k for k in out if k.startswith("calib/skipped_") and out[k])
+        log.warning("step %d: calibration skipped (%s); bounds kept, retried next step", step, reason)
+        return
+    kept = [k for k in ("calib/high_unattainable", "calib/high_edge", "calib/high_no_bf16_upper_clip",
+                        "calib/high_undefined", "calib/low_edge") if out.get(k)]
+    if kept:
+        log.info("step %d: previous bound kept (%s)", step, ", ".join(k.split("/")[1] for k in kept))
+
+
+def _dump_histogram(run, hist, step: int) -> None:
+    from pathlib import Path
+
+    path = Path(run.cfg.calib.dump_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "payload": hist.payload, "eps_low": hist.eps_low, "eps_high": hist.eps_high,
+                "num_bins": hist.num_bins, "log_ratio_range": hist.log_ratio_range,
+                "bounds": run.controller.bounds}, path / f"calib_{step:06d}.pt")
+
+
+def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: bool = False):
     from megatron_rl.algo.policy_loss import policy_loss
 
     a = run.cfg.algo
 
     def loss_fn(logprobs, entropy, mb):
         logprobs, entropy, mb = per_sequence(logprobs, entropy, mb)  # packed: seq-mean stays exact
-        return policy_loss(
+        loss, metrics = policy_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], denominator=denominator,
             clip_low=bounds[0], clip_high=bounds[1], eps_clip_c=a.eps_clip_c, loss_agg_mode=a.loss_agg_mode,
             rollout_logprobs=mb["rollout_logprobs"], use_tis=a.use_tis, tis_clip=a.tis_clip,
             tis_clip_low=a.tis_clip_low, tis_mode=a.tis_mode, icepop_low=a.icepop_low,
             icepop_high=a.icepop_high, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
             entropy=entropy, entropy_coef=a.entropy_coef, ratio_ref=mb.get("ratio_ref"),
-            ref_clip_low=1.0 - a.eps_clip)
+            ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
+        if calibrating:
+            metrics[HIST_KEY] = _histogram_payload(run, logprobs, mb)
+        return loss, metrics
     return loss_fn
 
 
 def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
-    """PPO epochs over shuffled mini-batches; on shadow steps the last mini-batch calibrates first."""
+    """PPO epochs over shuffled mini-batches; on shadow steps the last mini-batch calibrates.
+
+    The calibration mini-batch trains with the bounds in force, and its own training forward
+    provides the FP8 ratio; the new (L, H) apply from the next step. Its BF16 theta_old pass runs
+    before the first update (the splits are drawn up front, the same draws as one by one)."""
     from megatron_rl.algo.metrics import reduce_metrics
     from megatron_rl.algo.policy_loss import loss_denominator
 
@@ -268,17 +344,21 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(_step_seed(cfg.train.seed, step, 7))
     loss_metrics, out = [], {}
     grad_norms, skipped_updates = [], 0
-    for epoch in range(cfg.train.ppo_epochs):
-        parts = mini_batches(batch, cfg.train.num_mini_batches, gen)
+    plan = [mini_batches(batch, cfg.train.num_mini_batches, gen) for _ in range(cfg.train.ppo_epochs)]
+    if _shadow_step(run, step):
+        _shadow_old(run, plan[-1][-1])
+    for epoch, parts in enumerate(plan):
         for i, mb in enumerate(parts):
-            calibrating = "old_logprobs_ref" in mb and epoch == cfg.train.ppo_epochs - 1 and i == len(parts) - 1
+            calibrating = "old_logprobs_ref" in mb
             if calibrating:
-                out.update(_calibrate(run, mb))
+                _shadow_ratio(run, mb)
             denominator = loss_denominator(mb["loss_mask"], cfg.algo.loss_agg_mode, reduce=reduce)
             actor_mb, mbs, _ = _actor_batch(run, mb)
-            result = run.actor.train_step(actor_mb, _loss_fn(run, denominator, _bounds(run)),
+            result = run.actor.train_step(actor_mb, _loss_fn(run, denominator, _bounds(run), calibrating),
                                           micro_batch_size=mbs,
                                           logprob_chunk_size=cfg.train.logprob_chunk_size)
+            if calibrating:
+                out.update(_calibrate(run, result["metrics"], step))
             loss_metrics.extend(result["metrics"])
             grad_norms.append(result["grad_norm"])
             skipped_updates += int(result["skipped"])

@@ -39,7 +39,7 @@ def run_one(name: str, seed: int, root: Path, extra: list[str]) -> Path:
     if (log_dir / "done").exists():
         return log_dir
     cmd = [sys.executable, "-m", "megatron_rl.train", str(HERE / "base.yaml"), *VARIANTS[name],
-           f"train.seed={seed}", f"log.dir={log_dir}", *extra]
+           f"train.seed={seed}", f"log.dir={log_dir}", f"calib.dump_dir={log_dir / 'calib'}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "stdout.log", "w") as out:

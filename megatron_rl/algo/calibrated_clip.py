@@ -1,74 +1,34 @@
 """Calibrated Clipping (paper.md 1.4): FP8 ratio bounds (L, H) that clip like the BF16 shadow does.
 
-On a calibration batch with FP8 ratios r8, BF16 shadow ratios r16 and advantages A:
-  alpha = P(r16 < 1 - eps_low | A < 0)       same fraction lower-clipped as BF16 would
-  L     = the alpha-quantile of r8 over A < 0 tokens
-  p16   = pos16 / neg16,   pos16 = sum_{A>0, r16 <= 1+eps_high} |A| r16,
-                           neg16 = sum_{A<0, r16 >= 1-eps_low} |A| r16
-  H     = smallest H with pos8(H) = p16 * neg8(L),
-          pos8(H) = sum_{A>0, r8 <= H} |A| r8,   neg8(L) = sum_{A<0, r8 >= L} |A| r8
-A side's mass sums |A| r over its unclipped tokens: the magnitude of d(r A)/dlogpi. When even
-H = inf leaves pos8 below the target, no H attains the balance and H = inf (no upper clip).
+The solves live in calib_solve.py; this module holds the controller that owns (L, H) between
+calibrations: smoothing, the retry of a failed calibration, out-of-sample scoring, telemetry.
 
 Everything is read from a RatioHistogram: fixed bins over log r8 plus exact sums, all-reduced
-once, so every DP rank derives the same (L, H) without gathering per-token ratios; L is within
-one bin width (in log r) of the exact quantile.
+once, so every DP rank derives the same (L, H) without gathering per-token ratios.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
-from megatron_rl.algo.metrics import Reducer
-from megatron_rl.algo.ratio_histogram import (
-    DEFAULT_LOG_RATIO_RANGE,
-    DEFAULT_NUM_BINS,
-    RatioHistogram,
-    invert_cumulative,
-    mass_at_or_above,
+from megatron_rl.algo.calib_solve import (
+    HIGH_STATUSES,
+    LOW_STATUSES,
+    Rules,
+    balance_metrics,
+    check_rules,
+    ratio,
+    score_bounds,
+    solve_high,
+    solve_low,
 )
+from megatron_rl.algo.metrics import Reducer
+from megatron_rl.algo.ratio_histogram import BALANCES, DEFAULT_LOG_RATIO_RANGE, DEFAULT_NUM_BINS, RatioHistogram
 
 CALIBRATION_MODES = ("two_sided", "lower_only")
-
-
-class Calibration(NamedTuple):
-    """Result of one calibration; low / high are None where the guard rails say keep the previous."""
-
-    low: float | None
-    high: float | None
-    skip_reason: str  # "" | "empty" | "nonfinite" | "no_negative" | "crossed"
-    high_status: str  # "solved" | "unbounded" (no H attains the balance) | "kept" | "fixed" (lower_only)
-    metrics: dict[str, float]
-
-
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else math.nan
-
-
-def _solve_high(hist: RatioHistogram, log_low: float) -> tuple[float | None, str, float]:
-    """H from the balance; returns (H or None, status, BF16 balance p16)."""
-    neg16, pos16 = hist.scalar("neg_mass_ref"), hist.scalar("pos_mass_ref")
-    if hist.scalar("pos") == 0 or neg16 <= 0:
-        return None, "kept", _ratio(pos16, neg16)
-    p16 = pos16 / neg16
-    neg8 = mass_at_or_above(hist.histogram("neg_weight"), log_low, hist.lower_edge, hist.bin_width)
-    log_high = invert_cumulative(hist.histogram("pos_weight"), p16 * neg8, hist.lower_edge, hist.bin_width,
-                                 prefer=math.log1p(hist.eps_high))
-    if log_high is None:
-        return math.inf, "unbounded", p16
-    return math.exp(log_high), "solved", p16
-
-
-def _balance_fp8(hist: RatioHistogram, low: float, high: float) -> float:
-    """pos8(H) / neg8(L) read from the histograms (bins holding L or H split uniformly)."""
-    edge, width = hist.lower_edge, hist.bin_width
-    pos_total = float(hist.histogram("pos_weight").sum())
-    pos_kept = pos_total - mass_at_or_above(hist.histogram("pos_weight"), math.log(high), edge, width)
-    neg_kept = mass_at_or_above(hist.histogram("neg_weight"), math.log(low) if low > 0 else -math.inf, edge, width)
-    return _ratio(pos_kept, neg_kept)
+SKIP_REASONS = ("empty", "nonfinite", "no_negative", "crossed")
 
 
 def _skip_reason(hist: RatioHistogram) -> str:
@@ -76,90 +36,27 @@ def _skip_reason(hist: RatioHistogram) -> str:
         return "nonfinite"
     if hist.scalar("tokens") == 0:
         return "empty"
-    if hist.scalar("neg") == 0:
+    if hist.scalar("neg") <= 0 or hist.scalar("neg_ref") <= 0:
         return "no_negative"
     return ""
 
 
-def _diagnostics(hist: RatioHistogram) -> dict[str, float]:
-    neg, tokens = hist.scalar("neg"), hist.scalar("tokens")
-    return {
-        "calib/alpha": _ratio(hist.scalar("neg_clip_ref"), neg),
-        "calib/balance_bf16": _ratio(hist.scalar("pos_mass_ref"), hist.scalar("neg_mass_ref")),
-        "calib/balance_fp8": math.nan,  # at the new bounds; set once solved
-        "calib/balance_fp8_default": _ratio(hist.scalar("pos_mass_fp8"), hist.scalar("neg_mass_fp8")),
-        "calib/clipfrac_low_fp8_default": _ratio(hist.scalar("neg_clip_fp8"), neg),
-        "calib/false_clip_default": _ratio(hist.scalar("false_clip_fp8"), neg),
-        "calib/out_of_range": _ratio(hist.scalar("out_of_range"), tokens),
+def _diagnostics(hist: RatioHistogram, balance: str) -> dict[str, float]:
+    tokens = hist.scalar("tokens")
+    out = {
+        "calib/alpha": ratio(hist.scalar("neg_clip_ref"), hist.scalar("neg_ref")),
         "calib/tokens": tokens,
         "calib/nonfinite": hist.scalar("nonfinite"),
+        "calib/out_of_range": ratio(hist.scalar("below_range") + hist.scalar("above_range"), tokens),
     }
-
-
-def solve_bounds(hist: RatioHistogram, solve_high: bool = True) -> Calibration:
-    """(L, H) from a reduced histogram. Deterministic, so identical on every rank.
-
-    Guard rails (bounds None = keep the previous ones): NaN/inf ratios anywhere, an empty batch, no
-    A < 0 tokens: skip. No A > 0 tokens or no unclipped A < 0 BF16 mass (balance undefined): L
-    only. L >= H: skip ("crossed"). `solve_high=False` (lower_only ablation) leaves H alone.
-    """
-    metrics = _diagnostics(hist)
-    reason = _skip_reason(hist)
-    if reason:
-        return Calibration(None, None, reason, "kept", metrics)
-    alpha_count = hist.scalar("neg_clip_ref")
-    log_low = invert_cumulative(hist.histogram("neg_count"), alpha_count, hist.lower_edge, hist.bin_width,
-                                prefer=math.log1p(-hist.eps_low))
-    assert log_low is not None, "the alpha-quantile target never exceeds the A < 0 count"
-    low = math.exp(log_low)
-    high, high_status = None, "fixed"
-    if solve_high:
-        high, high_status, _ = _solve_high(hist, log_low)
-    if high is not None and low >= high:
-        return Calibration(None, None, "crossed", high_status, metrics)
-    if high is not None:
-        metrics["calib/balance_fp8"] = _balance_fp8(hist, low, high)
-    return Calibration(low, high, "", high_status, metrics)
-
-
-def calibrate_bounds(
-    ratio_fp8: torch.Tensor,
-    ratio_ref: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    num_bins: int | None = None,
-    reduce: Reducer | None = None,
-    log_ratio_range: float | None = None,
-) -> tuple[float, float]:
-    """Calibrated (L, H) for one batch (this rank's shard; `reduce` sums over DP ranks).
-
-    Args:
-        ratio_fp8: [B, T] float, FP8 trainer ratio pi_theta / pi_old.
-        ratio_ref: [B, T] float, BF16 shadow ratio of the same tokens.
-        advantages: [B, T] float; mask: [B, T] bool/0-1.
-        eps_low, eps_high: the BF16 bounds 1 - eps_low, 1 + eps_high being matched.
-        num_bins, log_ratio_range: histogram resolution (defaults 2048 bins over log r in [-2, 2]).
-        reduce: in-place sum across ranks (all_reduce bound to the DP group), called once.
-
-    Returns:
-        (L, H) as floats; H may be inf (no upper clip). Where a guard rail trips (see solve_bounds)
-        the uncalibrated bound 1 - eps_low / 1 + eps_high is returned in its place.
-    """
-    hist = RatioHistogram(eps_low, eps_high, num_bins or DEFAULT_NUM_BINS, log_ratio_range or DEFAULT_LOG_RATIO_RANGE)
-    hist.add(ratio_fp8, ratio_ref, advantages, mask)
-    hist.reduce(reduce)
-    result = solve_bounds(hist)
-    low = 1.0 - eps_low if result.low is None else result.low
-    high = 1.0 + eps_high if result.high is None else result.high
-    return low, high
+    if hist.scalar("neg") > 0 and hist.scalar("pos") > 0:
+        default = score_bounds(hist, 1.0 - hist.eps_low, 1.0 + hist.eps_high, balance)
+        out.update({f"calib/default_{k}": v for k, v in default.items()})
+    return out
 
 
 def _smooth(old: float, new: float, weight: float) -> float:
-    """EMA with `weight` on the new value; an infinite end (no upper clip) is taken as is."""
-    if math.isinf(old) or math.isinf(new):
-        return new
+    """EMA with `weight` on the new value."""
     return (1.0 - weight) * old + weight * new
 
 
@@ -172,12 +69,16 @@ class CalibratedClipController:
         if ctrl.should_calibrate(step):
             hist = ctrl.new_histogram()
             for mb in calibration_micro_batches:         # r_fp8 and the BF16 shadow's r_bf16
-                hist.add(mb.ratio_fp8, mb.ratio_bf16, mb.advantages, mb.mask)
-            metrics = ctrl.update_from_histogram(hist, reduce)
+                hist.add(mb.ratio_fp8, mb.ratio_bf16, mb.advantages, mb.mask, weights=mb.loss_weights)
+            metrics = ctrl.update_from_histogram(hist, reduce, step=step)
 
-    Smoothing: L <- (1 - s) L + s L*, likewise H, with s = `smoothing` (1.0 = take the calibrated
-    value). The paper "smoothly updates" the bounds without giving the rule; this EMA is ours.
-    mode "lower_only" is the one-sided ablation: L calibrated, H held at 1 + eps_high.
+    Smoothing acts on the pair: L <- (1 - s) L + s L*, then H is solved from the balance at that
+    smoothed L, so the applied pair balances on the calibration batch like BF16 (H is not
+    averaged separately; a separately averaged pair would no longer balance). s = `smoothing`
+    (1.0 = take the calibrated L). The paper "smoothly updates" the bounds without giving the rule.
+    A calibration that fails (a guard rail trips) leaves the bounds and is retried on the next
+    step: should_calibrate stays True until one succeeds. mode "lower_only" is the one-sided
+    ablation: L calibrated, H held at 1 + eps_high. The bounds stay in [low_min, 1] x [1, high_max].
     """
 
     def __init__(
@@ -191,6 +92,7 @@ class CalibratedClipController:
         num_bins: int = DEFAULT_NUM_BINS,
         log_ratio_range: float = DEFAULT_LOG_RATIO_RANGE,
         mode: str = "two_sided",
+        rules: Rules = Rules(),
     ) -> None:
         if period < 1:
             raise ValueError(f"period must be >= 1, got {period}")
@@ -199,94 +101,142 @@ class CalibratedClipController:
         if mode not in CALIBRATION_MODES:
             raise ValueError(f"mode must be one of {CALIBRATION_MODES}, got {mode!r}")
         RatioHistogram(eps_low, eps_high, num_bins, log_ratio_range)  # validates the histogram knobs
+        check_rules(rules, eps_low, eps_high)
         self.eps_low, self.eps_high, self.period, self.smoothing = eps_low, eps_high, period, smoothing
-        self.num_bins, self.log_ratio_range, self.mode = num_bins, log_ratio_range, mode
+        self.num_bins, self.log_ratio_range, self.mode, self.rules = num_bins, log_ratio_range, mode, rules
         self.low = 1.0 - eps_low if init_low is None else float(init_low)
-        self.high = 1.0 + eps_high if init_high is None else float(init_high)
-        if mode == "lower_only":
-            self.high = 1.0 + eps_high
-        if not 0.0 <= self.low < self.high:
-            raise ValueError(f"need 0 <= init_low < init_high, got init_low={self.low}, init_high={self.high}")
-        self.num_calibrations = 0
-        self.num_skipped = 0
+        self.high = 1.0 + eps_high if init_high is None or mode == "lower_only" else float(init_high)
+        if not rules.low_min <= self.low <= 1.0:
+            raise ValueError(f"init_low must be in [low_min = {rules.low_min}, 1], got {self.low}")
+        if not 1.0 <= self.high <= rules.high_max or self.low >= self.high:
+            raise ValueError(f"init_high must be in [1, high_max = {rules.high_max}] and > init_low, got {self.high}")
+        self.num_calibrations = self.num_skipped = 0
+        self.next_due = 0  # first step of the next calibration; only a success moves it on
 
     @property
     def bounds(self) -> tuple[float, float]:
-        """The current (L, H), identical on every rank."""
+        """The current (L, H), identical on every rank, always finite."""
         return self.low, self.high
 
     def should_calibrate(self, step: int) -> bool:
-        """True on steps 0, period, 2 * period, ..."""
-        return step % self.period == 0
+        """True on steps 0, period, 2 * period, ..., and on every step after one whose calibration failed."""
+        return step >= self.next_due
 
     def new_histogram(self) -> RatioHistogram:
         """An empty histogram with this controller's eps and resolution."""
         return RatioHistogram(self.eps_low, self.eps_high, self.num_bins, self.log_ratio_range)
 
-    def update(
-        self,
-        ratio_fp8: torch.Tensor,
-        ratio_ref: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        reduce: Reducer | None = None,
-    ) -> dict[str, float]:
-        """Calibrate on one (shard of a) batch; tensors [B, T] as in calibrate_bounds."""
+    def update(self, ratio_fp8: torch.Tensor, ratio_ref: torch.Tensor, advantages: torch.Tensor,
+               mask: torch.Tensor, reduce: Reducer | None = None, weights: torch.Tensor | None = None,
+               step: int | None = None) -> dict[str, float]:
+        """Calibrate on one (shard of a) batch; tensors [B, T] as in RatioHistogram.add."""
         hist = self.new_histogram()
-        hist.add(ratio_fp8, ratio_ref, advantages, mask)
-        return self.update_from_histogram(hist, reduce)
+        hist.add(ratio_fp8, ratio_ref, advantages, mask, weights=weights)
+        return self.update_from_histogram(hist, reduce, step=step)
 
-    def update_from_histogram(self, hist: RatioHistogram, reduce: Reducer | None = None) -> dict[str, float]:
-        """Reduce `hist` (unless already reduced), solve, smooth into the bounds; returns calib/* floats."""
+    def update_from_histogram(self, hist: RatioHistogram, reduce: Reducer | None = None,
+                              step: int | None = None) -> dict[str, float]:
+        """Reduce `hist` (unless already reduced), score the current bounds on it (calib/oos_*),
+        solve, apply; returns calib/* floats. `step` places the next calibration on the grid."""
         if (hist.num_bins, hist.log_ratio_range, hist.eps_low, hist.eps_high) != (
             self.num_bins, self.log_ratio_range, self.eps_low, self.eps_high
         ):
             raise ValueError("histogram was built with other eps / num_bins / log_ratio_range than the controller")
         if not hist.reduced:
             hist.reduce(reduce)
-        result = solve_bounds(hist, solve_high=self.mode == "two_sided")
-        reason = result.skip_reason
-        low = self.low if result.low is None else _smooth(self.low, result.low, self.smoothing)
-        high = self.high if result.high is None else _smooth(self.high, result.high, self.smoothing)
-        if not reason and low >= high:
-            reason = "crossed"
+        out = _diagnostics(hist, self.rules.balance)
+        reason = _skip_reason(hist)
+        if not reason and self.num_calibrations > 0:  # bounds fitted on an earlier batch, scored on this one
+            out.update({f"calib/oos_{k}": v for k, v in score_bounds(hist, *self.bounds, self.rules.balance).items()})
+        statuses = ("", "")
+        if not reason:
+            reason, statuses = self._solve_and_apply(hist, out)
         if reason:
             self.num_skipped += 1
         else:
-            self.low, self.high = low, high
             self.num_calibrations += 1
-        return self._metrics(result, reason)
+            self.next_due = (self.next_due if step is None else step) // self.period * self.period + self.period
+        return self._metrics(out, reason, statuses)
 
-    def _metrics(self, result: Calibration, reason: str) -> dict[str, float]:
-        out = dict(result.metrics)
+    def _solve_and_apply(self, hist: RatioHistogram, out: dict[str, float]) -> tuple[str, tuple[str, str]]:
+        low_raw, low_status = solve_low(hist, self.rules)
+        low = self.low if low_raw is None else _smooth(self.low, low_raw, self.smoothing)
+        high, high_status = self.high, "fixed"
+        if self.mode == "two_sided":
+            for b in BALANCES:  # what each balance definition would choose at this L
+                out[f"calib/high_raw_{b}"] = solve_high(hist, math.log(low), self.rules, b)[0] or math.nan
+            high_raw, high_status = solve_high(hist, math.log(low), self.rules)
+            high = self.high if high_raw is None else high_raw
+        out["calib/low_raw"] = math.nan if low_raw is None else low_raw
+        out["calib/high_raw"] = high if high_status in ("solved", "clamped") else math.nan
+        if not low < high:
+            return "crossed", (low_status, high_status)
+        self.low, self.high = low, high
+        out.update({f"calib/is_{k}": v for k, v in score_bounds(hist, low, high, self.rules.balance).items()})
+        out.update(balance_metrics(hist, low, high))
+        out["calib/balance_bf16"] = out[f"calib/balance_bf16_{self.rules.balance}"]
+        out["calib/balance_fp8"] = out[f"calib/balance_fp8_{self.rules.balance}"]
+        out["calib/balance_fp8_default"] = out[f"calib/balance_fp8_default_{self.rules.balance}"]
+        return "", (low_status, high_status)
+
+    def _metrics(self, out: dict[str, float], reason: str, statuses: tuple[str, str]) -> dict[str, float]:
         out.update({
             "calib/low": self.low,
             "calib/high": self.high,
-            "calib/low_raw": math.nan if result.low is None else result.low,
-            "calib/high_raw": math.nan if result.high is None else result.high,
             "calib/skipped": float(bool(reason)),
-            "calib/high_unbounded": float(result.high_status == "unbounded"),
-            "calib/high_kept": float(result.high_status == "kept" and not reason),
             "calib/num_calibrations": float(self.num_calibrations),
             "calib/num_skipped": float(self.num_skipped),
         })
-        for name in ("empty", "nonfinite", "no_negative", "crossed"):
+        for name in SKIP_REASONS:
             out[f"calib/skipped_{name}"] = float(reason == name)
+        for name in LOW_STATUSES:
+            out[f"calib/low_{name}"] = float(statuses[0] == name)
+        for name in HIGH_STATUSES:
+            out[f"calib/high_{name}"] = float(statuses[1] == name)
+        out["calib/high_kept"] = float(statuses[1] in ("unattainable", "edge", "no_bf16_upper_clip", "undefined"))
+        out["calib/clamped"] = float("clamped" in statuses)
         return out
 
     def state_dict(self) -> dict[str, float | int]:
-        """Bounds and counters, for the RL checkpoint."""
-        return {
-            "low": self.low,
-            "high": self.high,
-            "num_calibrations": self.num_calibrations,
-            "num_skipped": self.num_skipped,
-        }
+        """Bounds, counters and the next due step, for the RL checkpoint."""
+        return {"low": self.low, "high": self.high, "num_calibrations": self.num_calibrations,
+                "num_skipped": self.num_skipped, "next_due": self.next_due}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        """Restore what state_dict returned; ValueError naming a missing key."""
+        """Restore what state_dict returned; ValueError naming a missing key (next_due may be
+        absent in older checkpoints: then the next grid step after the calibrations made)."""
         for key in ("low", "high", "num_calibrations", "num_skipped"):
             if key not in state:
                 raise ValueError(f"CalibratedClipController state is missing {key!r}")
-        self.low, self.high = float(state["low"]), float(state["high"])
+        low, high = float(state["low"]), float(state["high"])
+        if not (math.isfinite(high) and self.rules.low_min <= low < high <= self.rules.high_max):
+            raise ValueError(f"CalibratedClipController state has bounds ({low}, {high}) outside "
+                             f"[{self.rules.low_min}, 1] x [1, {self.rules.high_max}]")
+        self.low, self.high = low, high
         self.num_calibrations, self.num_skipped = int(state["num_calibrations"]), int(state["num_skipped"])
+        self.next_due = int(state.get("next_due", self.num_calibrations * self.period))
+
+
+def calibrate_bounds(
+    ratio_fp8: torch.Tensor,
+    ratio_ref: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    num_bins: int | None = None,
+    reduce: Reducer | None = None,
+    log_ratio_range: float | None = None,
+    rules: Rules = Rules(),
+    weights: torch.Tensor | None = None,
+) -> tuple[float, float]:
+    """Calibrated (L, H) for one batch (this rank's shard; `reduce` sums over DP ranks), stateless.
+
+    Tensors [B, T] as in RatioHistogram.add; eps_low / eps_high the BF16 bounds being matched.
+    Returns finite (L, H); where a guard rail trips or a bound is kept, the uncalibrated
+    1 - eps_low / 1 + eps_high stands in its place.
+    """
+    ctrl = CalibratedClipController(eps_low, eps_high, num_bins=num_bins or DEFAULT_NUM_BINS,
+                                    log_ratio_range=log_ratio_range or DEFAULT_LOG_RATIO_RANGE, rules=rules)
+    ctrl.update(ratio_fp8, ratio_ref, advantages, mask, reduce=reduce, weights=weights)
+    return ctrl.bounds

@@ -391,3 +391,28 @@ def _ratio_metrics(
     out.update(mean_and_square("log_ratio", log_ratio, valid))
     out.update(clip_metrics(ratio, adv, clips, valid, clip_low, clip_high, dual_clip))
     return out
+
+
+def loss_token_weights(
+    mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    old_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    use_tis: bool = False,
+    **tis_kwargs,
+) -> torch.Tensor:
+    """The factor `policy_loss` puts on each token's surrogate before aggregating, detached.
+
+    TIS / IcePop weight (use_tis; tis_kwargs as rollout_correction.importance_weights: mode,
+    tis_clip, tis_clip_low, icepop_low, icepop_high) times the aggregation weight (1 / n_b under
+    seq-mean-token-mean, else 1); 0 on padding. Calibrated Clipping weighs tokens by it, so that
+    its clip fractions and balances are those of the loss. Up to the global denominator, which
+    cancels in every fraction and balance.
+    """
+    valid = mask.bool()
+    weights = valid.float()
+    if use_tis:
+        weights = weights * importance_weights(old_logprobs, rollout_logprobs, valid, **tis_kwargs)[0].detach()
+    if loss_agg_mode == "seq-mean-token-mean":
+        weights = weights / valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    return torch.where(valid, weights, 0.0)

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from megatron_rl.algo.calib_solve import Rules
 from megatron_rl.algo.calibrated_clip import CalibratedClipController, calibrate_bounds
 from megatron_rl.algo.policy_loss import policy_loss
 
@@ -102,7 +103,10 @@ def exact_bounds(b: dict[str, torch.Tensor], low: float, eps_low: float, eps_hig
 
 def histogram_error(num_tokens: int, num_bins: int) -> dict[str, float]:
     b = make_batch(num_tokens, seed=1)
-    low, high = calibrate_bounds(b["ratio_fp8"], b["ratio_ref"], b["advantages"], b["mask"], 0.2, 0.28, num_bins=num_bins)
+    # the bare rule (no tolerance, no range, the |A| r balance) is what the sort-based reference computes
+    bare = Rules(low_min=0.05, high_max=50.0, alpha_tolerance=0.0, alpha_tolerance_tokens=0.0, balance="abs_adv_ratio")
+    low, high = calibrate_bounds(b["ratio_fp8"], b["ratio_ref"], b["advantages"], b["mask"], 0.2, 0.28,
+                                 num_bins=num_bins, rules=bare)
     low_exact, high_exact, p16 = exact_bounds(b, low, 0.2, 0.28)
     width = 2 * 2.0 / num_bins
     v = b["mask"].bool()
