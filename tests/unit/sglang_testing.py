@@ -1,4 +1,4 @@
-"""Start SGLangEngine on protocol-conformance servers (subprocesses on loopback); test helper."""
+"""Start SGLangEngine on SGLang server doubles (subprocesses on loopback); test helper."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import socket
 import sys
 from pathlib import Path
 
-import pytest
+DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
+sys.path.insert(0, str(DOUBLES))
 
-import sglang_protocol
+import pytest  # noqa: E402
 
-SERVER = Path(__file__).with_name("sglang_conformance_server.py")
+import sglang_protocol  # noqa: E402
+
+SERVER_COMMAND = [sys.executable, str(DOUBLES / "sglang_server_double.py")]
+ROUTER_COMMAND = [sys.executable, str(DOUBLES / "sglang_router_double.py")]
 API_KEY = "test-key-7f3a"
 
 needs_sglang_source = pytest.mark.skipif(
@@ -39,24 +43,27 @@ def _free(port: int) -> bool:
             return False
 
 
-def conformance_argv(model_dir: Path, extra_by_server: dict[int, list[str]] | None = None,
-                     rollout_quant: str = "bf16"):
-    """argv_fn for SGLangEngine: server i runs the conformance server with extra_by_server[i]."""
+def double_argv(cfg, model_dir: Path, extra_by_server: dict[int, list[str]] | None = None):
+    """argv_fn for SGLangEngine: the project's own server flags, plus extra_by_server[i] for server i."""
+    from megatron_rl.rollout.sglang_server import server_args
+
     extra_by_server = extra_by_server or {}
 
     def argv(port: int, base_gpu_id: int) -> list[str]:
-        index = base_gpu_id  # tp_size 1: server i has base GPU i
-        return [sys.executable, str(SERVER), "--model", str(model_dir), "--port", str(port),
-                "--api-key", API_KEY, "--rollout-quant", rollout_quant, *extra_by_server.get(index, [])]
+        index = base_gpu_id // cfg.tp_size
+        return [*SERVER_COMMAND, *server_args(cfg, str(model_dir), port, base_gpu_id, seed=index),
+                "--api-key", API_KEY, *extra_by_server.get(index, [])]
 
     return argv
 
 
-def make_engine(model_dir: Path, num_servers: int = 1, extra_by_server=None, rollout_quant: str = "bf16", **cfg_kw):
+def make_engine(model_dir: Path, num_servers: int = 1, extra_by_server=None, **cfg_kw):
     from megatron_rl.rollout.sglang_config import SGLangConfig
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
-    cfg = SGLangConfig(num_servers=num_servers, base_port=free_port_block(num_servers),
-                       startup_timeout_s=120.0, request_timeout_s=120.0, **cfg_kw)
-    return SGLangEngine(cfg, model_dir, argv_fn=conformance_argv(model_dir, extra_by_server, rollout_quant))
+    cfg_kw.setdefault("base_port", free_port_block(num_servers))
+    cfg = SGLangConfig(num_servers=num_servers, startup_timeout_s=120.0, request_timeout_s=120.0,
+                       server_command=SERVER_COMMAND, router_command=ROUTER_COMMAND, **cfg_kw)
+    argv_fn = double_argv(cfg, model_dir, extra_by_server) if extra_by_server else None
+    return SGLangEngine(cfg, model_dir, argv_fn=argv_fn)
