@@ -7,6 +7,8 @@ such as --mem-fraction-static, --base-gpu-id, --enable-memory-saver are accepted
         --api-key KEY [--tp-size N] [--weight-version 0] [--random-seed S] [--kv-cache-dtype fp8_e4m3]
         [--enable-deterministic-inference] [--health-generate-s 0.3]   # double-only knobs below
         [--die-on-generate-once FILE]  # exit inside the first /generate (FILE records it)
+        [--defer-copies]               # apply update_weights_from_tensor data at the next request, as
+                                       # SGLang's asynchronous device copy may (the buffer is read late)
         [--lifetime-s 600]             # the process exits by itself after this long
 
 or point `rollout.sglang.server_command` at `[python, tests/doubles/sglang_server_double.py]`.
@@ -79,11 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--random-seed", type=int, default=0)
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--enable-memory-saver", action="store_true")
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--health-generate-s", type=float, default=0.0)
     ap.add_argument("--die-on-generate-once", default="")
+    ap.add_argument("--defer-copies", action="store_true")
     ap.add_argument("--lifetime-s", type=float, default=600.0)
     args, ignored = ap.parse_known_args(argv)
     args.ignored = ignored  # GPU-only flags (--mem-fraction-static, --base-gpu-id, ...)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+import sglang_protocol
 import sglang_weights_double as weights
-from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.base import SamplingParams, tensor_digest
 from megatron_rl.rollout.sglang_payload import unflatten_bucket
 from megatron_rl.rollout.torch_engine import TorchRolloutEngine
 
@@ -43,8 +44,6 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _allowed_globals() -> frozenset:
-    import sglang_protocol
-
     return sglang_protocol.unpickler_allowed_globals() if sglang_protocol.sglang_root() else frozenset()
 
 
@@ -61,7 +60,8 @@ class ServerState:
         self.args, self.version = args, version
         self.config = weights.read_config(args.model_path)
         self.arch = weights.ARCHS[self.config["architectures"][0]]
-        self.params = weights.build_params(_read_checkpoint(args.model_path), self.config)
+        self.dtype = weights.serving_dtype(self.config, args.dtype)
+        self.params = weights.build_params(_read_checkpoint(args.model_path), self.config, self.dtype)
         weights.load_weights(self.arch, self.params, _read_checkpoint(args.model_path).items())
         self.engine = _make_engine(self.config, args.random_seed)
         self.engine_version = 0
@@ -74,15 +74,18 @@ class ServerState:
         self.cond = threading.Condition()
         self.gen_lock = threading.Lock()
         self.log: list[str] = []
+        self.deferred: list = []
 
     # ---- routing -------------------------------------------------------------------------
 
     def handle(self, path: str, body: dict):
         with self.cond:
             self.log.append(path)
+        self._apply_deferred()
         route = ROUTES.get(path)
         if route is None:
             return 404, {"error": f"no route {path}"}
+        validate_body(path, body)
         return route(self, body)
 
     def health(self, body):
@@ -102,6 +105,7 @@ class ServerState:
     def server_info(self, body):
         a = self.args
         return 200, {"version": self.version, "model_path": a.model_path, "tp_size": a.tp_size,
+                     "dtype": str(self.dtype).removeprefix("torch."),
                      "kv_cache_dtype": a.kv_cache_dtype, "quantization": a.quantization,
                      "enable_memory_saver": a.enable_memory_saver, "random_seed": a.random_seed,
                      "enable_deterministic_inference": a.enable_deterministic_inference,
@@ -243,7 +247,17 @@ class ServerState:
         for rank in range(self.args.tp_size):
             data = _Unpickler(io.BytesIO(base64.b64decode(payloads[rank]))).load()
             bucket = unflatten_bucket(data["flattened_tensor"], data["metadata"])
+        if self.args.defer_copies:  # the answer comes before the device copy (views of the sender's memory)
+            self.deferred.append(bucket)
+            bucket = []
         return self._load(bucket, body)  # every rank holds the same (unsharded, here) weights
+
+    def _apply_deferred(self):
+        with self.cond:
+            pending, self.deferred = self.deferred, []
+        for bucket in pending:
+            weights.load_weights(self.arch, self.params, bucket)
+            self.dirty = True
 
     def _load(self, bucket, body):
         weights.load_weights(self.arch, self.params, bucket)
@@ -320,6 +334,10 @@ class ServerState:
     def double_log(self, body):
         return 200, list(self.log)
 
+    def double_hf_digests(self, body):
+        """Test introspection: digests of the held weights split back into HF names."""
+        return 200, {n: tensor_digest(t) for n, t in weights.to_hf(self.params)}
+
 
 ROUTES = {"/health": ServerState.health, "/health_generate": ServerState.health_generate,
           "/ready": ServerState.health, "/server_info": ServerState.server_info,
@@ -336,7 +354,34 @@ ROUTES = {"/health": ServerState.health, "/health_generate": ServerState.health_
           "/update_weight_version": ServerState.update_weight_version,
           "/init_weights_update_group": ServerState.init_weights_update_group,
           "/destroy_weights_update_group": ServerState.destroy_weights_update_group,
-          "/weights_checker": ServerState.weights_checker, "/_double/log": ServerState.double_log}
+          "/weights_checker": ServerState.weights_checker, "/_double/log": ServerState.double_log,
+          "/_double/hf_digests": ServerState.double_hf_digests}
+
+
+def validate_body(path: str, body: dict) -> None:
+    """FastAPI/msgspec's check of the request class (srt/managers/io_struct.py), read from the installed
+    sglang source when it is there: unknown fields, missing required ones, wrong JSON types -> 400."""
+    if sglang_protocol.sglang_root() is None or path not in sglang_protocol.route_table():
+        return
+    cls = sglang_protocol.route_table()[path]["request_class"]
+    if cls is None:
+        return
+    schema = sglang_protocol.request_schema(cls)
+    unknown = sorted(set(body) - set(schema))
+    if unknown:
+        raise BadRequest(f"{cls}: unknown field(s) {unknown}")
+    for name, (annotation, required) in schema.items():
+        if name not in body:
+            if required:
+                raise BadRequest(f"{cls}: missing required field {name!r}")
+        elif not sglang_protocol.check_value(annotation, body[name]):
+            raise BadRequest(f"{cls}.{name}: {body[name]!r:.80} does not fit {sglang_protocol.ast.unparse(annotation)}")
+    if path == "/generate":
+        params = body.get("sampling_params") or {}
+        for p in params if isinstance(params, list) else [params]:
+            extra = set(p) - sglang_protocol.sampling_param_names()
+            if extra:
+                raise BadRequest(f"SamplingParams: unknown field(s) {sorted(extra)}")
 
 
 def _aborted(version: str) -> dict:

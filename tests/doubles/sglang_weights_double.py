@@ -76,8 +76,24 @@ def block_size_of(config: dict) -> tuple[int, int] | None:
     return None
 
 
-def build_params(checkpoint: dict[str, torch.Tensor], config: dict) -> dict[str, Param]:
-    """SGLang's named_parameters() for this checkpoint (fused names, checkpoint dtypes).
+def serving_dtype(config: dict, dtype_flag: str = "auto") -> torch.dtype:
+    """--dtype auto: the config's torch_dtype, except float32 -> float16 (configs/model_config.py
+    _get_and_verify_dtype, 2288-2320)."""
+    if dtype_flag != "auto":
+        return getattr(torch, dtype_flag)
+    name = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    return torch.float16 if name == "float32" else getattr(torch, name)
+
+
+def _param_like(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    keep = tensor.dtype == torch.float8_e4m3fn or not tensor.is_floating_point()
+    return torch.empty(tensor.shape, dtype=tensor.dtype if keep else dtype)
+
+
+def build_params(checkpoint: dict[str, torch.Tensor], config: dict, dtype: torch.dtype = torch.float16
+                 ) -> dict[str, Param]:
+    """SGLang's named_parameters() for this checkpoint (fused names; FP8 weights and float32 scales
+    as serialized, everything else in the serving `dtype`).
 
     Raises LoadError when a fused block-FP8 layer has a shard whose rows do not divide by bn,
     as SGLang refuses at startup."""
@@ -88,12 +104,14 @@ def build_params(checkpoint: dict[str, torch.Tensor], config: dict) -> dict[str,
         fused = _fused_target(name.replace("_scale_inv", ""))
         if fused is None:
             if not (config.get("tie_word_embeddings") and name == "lm_head.weight"):
-                params[name] = Param(torch.empty_like(tensor))
+                scale = name.endswith("_scale_inv")
+                params[name] = Param(_param_like(tensor, torch.float32 if scale else dtype))
             continue
         fused_name, shard_id = fused
         if name.endswith("_scale_inv"):
             continue  # sized from the weight shards below
-        layout.setdefault(fused_name, {})[shard_id] = (tensor.shape[0], tensor.shape[1:], tensor.dtype)
+        kept = tensor.dtype if tensor.dtype == torch.float8_e4m3fn else dtype
+        layout.setdefault(fused_name, {})[shard_id] = (tensor.shape[0], tensor.shape[1:], kept)
     for fused_name, shards in layout.items():
         params.update(_fused_params(fused_name, shards, block, checkpoint))
     if config.get("tie_word_embeddings"):
@@ -117,8 +135,8 @@ def _fused_params(fused_name: str, shards: dict, block, checkpoint) -> dict[str,
     rows, rest, dtype = start, shards[order[0]][1], shards[order[0]][2]
     out = {fused_name: Param(torch.empty((rows, *rest), dtype=dtype), starts)}
     scale_name = fused_name + "_scale_inv"
-    has_scale = any(n.endswith("_scale_inv") and _fused_target(n.replace("_scale_inv", ""))[0] == fused_name
-                    for n in checkpoint)
+    has_scale = any(n.endswith("_scale_inv") and (_fused_target(n.replace("_scale_inv", "")) or ("",))[0]
+                    == fused_name for n in checkpoint)
     if block is not None and has_scale:
         bn, bk = block
         for s, (_, r) in starts.items():

@@ -7,12 +7,11 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
+import sglang_protocol
+
 DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
-sys.path.insert(0, str(DOUBLES))
-
-import pytest  # noqa: E402
-
-import sglang_protocol  # noqa: E402
 
 SERVER_COMMAND = [sys.executable, str(DOUBLES / "sglang_server_double.py")]
 ROUTER_COMMAND = [sys.executable, str(DOUBLES / "sglang_router_double.py")]
