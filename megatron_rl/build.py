@@ -134,16 +134,22 @@ def build_sglang(cfg: RunConfig, model_dir: Path):
 
     Colocated servers with TP > 1 need every rank of a server's GPU group to gather its payload
     (SGLangTensorTransport(gather=...)); this builder wires the single-sender layout."""
+    from megatron_rl.rollout.sglang_checkpoint import check_scale_format, rollout_checkpoint, rollout_quant_spec
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.sync.disk_transport import DiskTransport
     from megatron_rl.sync.sglang_transport import SGLangNcclTransport, SGLangTensorTransport
 
     sg = cfg.rollout.sglang
-    engine = SGLangEngine(sg, model_dir, seed=cfg.train.seed, log_dir=Path(cfg.log.dir) / "sglang")
+    if sg.mode == "colocated" and torch.cuda.is_available():  # the servers share this GPU's architecture
+        major, minor = torch.cuda.get_device_capability()
+        check_scale_format(rollout_quant_spec(cfg), 10 * major + minor)
+    engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed,
+                          log_dir=Path(cfg.log.dir) / "sglang")
     if sg.weight_transport == "tensor":
         return engine, SGLangTensorTransport(engine, check=cfg.sync.check)
-    if sg.weight_transport == "nccl":
-        return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port,
+    if sg.weight_transport == "nccl":  # gloo on a CPU-only trainer (the servers then need gloo too)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port, backend=backend,
                                            check=cfg.sync.check)
     return engine, DiskTransport(engine, sg.disk_dir or Path(cfg.log.dir) / "weights", template_dir=model_dir)
 
@@ -159,7 +165,7 @@ def build_run(cfg: RunConfig) -> Run:
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.parallel import init_parallel
     from megatron_rl.checkpoint import Checkpointer
-    from megatron_rl.sync.quantize import RolloutQuantSpec
+    from megatron_rl.rollout.sglang_checkpoint import rollout_quant_spec
     from megatron_rl.sync.weight_sync import WeightSync
     from megatron_rl.telemetry import MetricsLogger
     from transformers import AutoTokenizer
@@ -178,7 +184,7 @@ def build_run(cfg: RunConfig) -> Run:
         actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
-    sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
+    sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0

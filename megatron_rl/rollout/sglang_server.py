@@ -47,6 +47,8 @@ class ManagedProcess:
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,

@@ -7,6 +7,7 @@ such as --mem-fraction-static, --base-gpu-id, --enable-memory-saver are accepted
         --api-key KEY [--tp-size N] [--weight-version 0] [--random-seed S] [--kv-cache-dtype fp8_e4m3]
         [--enable-deterministic-inference] [--health-generate-s 0.3]   # double-only knobs below
         [--die-on-generate-once FILE]  # exit inside the first /generate (FILE records it)
+        [--report-version 0.5.5]       # what /server_info reports (to test version checks)
         [--defer-copies]               # apply update_weights_from_tensor data at the next request, as
                                        # SGLang's asynchronous device copy may (the buffer is read late)
         [--lifetime-s 600]             # the process exits by itself after this long
@@ -88,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--health-generate-s", type=float, default=0.0)
     ap.add_argument("--die-on-generate-once", default="")
     ap.add_argument("--defer-copies", action="store_true")
+    ap.add_argument("--report-version", default=SGLANG_VERSION)
     ap.add_argument("--lifetime-s", type=float, default=600.0)
     args, ignored = ap.parse_known_args(argv)
     args.ignored = ignored  # GPU-only flags (--mem-fraction-static, --base-gpu-id, ...)
@@ -143,7 +145,7 @@ def make_handler(state: ServerState):
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    state = ServerState(args, SGLANG_VERSION)
+    state = ServerState(args, args.report_version)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()

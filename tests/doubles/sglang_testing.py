@@ -11,7 +11,7 @@ import pytest
 
 import sglang_protocol
 
-DOUBLES = Path(__file__).resolve().parents[1] / "doubles"
+DOUBLES = Path(__file__).resolve().parent
 
 SERVER_COMMAND = [sys.executable, str(DOUBLES / "sglang_server_double.py")]
 ROUTER_COMMAND = [sys.executable, str(DOUBLES / "sglang_router_double.py")]
