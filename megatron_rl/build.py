@@ -134,7 +134,8 @@ def build_sglang(cfg: RunConfig, model_dir: Path):
 
     Colocated servers with TP > 1 need every rank of a server's GPU group to gather its payload
     (SGLangTensorTransport(gather=...)); this builder wires the single-sender layout."""
-    from megatron_rl.rollout.sglang_checkpoint import check_scale_format, rollout_checkpoint, rollout_quant_spec
+    from megatron_rl.rollout.sglang_checkpoint import (check_block_alignment, check_scale_format,
+                                                       rollout_checkpoint, rollout_quant_spec)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.sync.disk_transport import DiskTransport
     from megatron_rl.sync.sglang_transport import SGLangNcclTransport, SGLangTensorTransport
@@ -143,6 +144,7 @@ def build_sglang(cfg: RunConfig, model_dir: Path):
     if sg.mode == "colocated" and torch.cuda.is_available():  # the servers share this GPU's architecture
         major, minor = torch.cuda.get_device_capability()
         check_scale_format(rollout_quant_spec(cfg), 10 * major + minor)
+    check_block_alignment(model_dir, rollout_quant_spec(cfg))
     engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed,
                           log_dir=Path(cfg.log.dir) / "sglang")
     if sg.weight_transport == "tensor":

@@ -103,3 +103,20 @@ def check_scale_format(spec: RolloutQuantSpec, sm: int) -> None:
         raise ValueError(f"config key 'precision.scale_format': {spec.scale_format!r}, but SGLang on this GPU "
                          f"(sm{sm}, DeepGEMM) re-quantizes block scales to UE8M0 when it loads them; set "
                          "precision.scale_format=ue8m0 (or SGLANG_ENABLE_JIT_DEEPGEMM=0 on the servers)")
+
+
+def check_block_alignment(model_dir: str | Path, spec: RolloutQuantSpec) -> None:
+    """ValueError when a quantized linear's input dim K is not a multiple of the activation group
+    (weight_block_size[1]): SGLang's per-token-group quantizer asserts K % group == 0
+    (kernels/ops/quantization/fp8_kernel.py:502) at the first forward, on every server at once."""
+    if spec.rollout_quant != "fp8_blockwise":
+        return
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dims = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
+            "num_attention_heads * head_dim": config["num_attention_heads"] * head_dim}
+    group = spec.weight_block_size[1]
+    ragged = {k: v for k, v in dims.items() if v % group}
+    if ragged:
+        raise ValueError(f"config key 'precision.weight_block_size': activation groups of {group} do not "
+                         f"divide the model's linear input dims {ragged}; SGLang refuses such K")
