@@ -31,6 +31,8 @@ class Run:
     logger: Any
     checkpointer: Any
     reward_stats: dict[str, float] = field(default_factory=dict)
+    host_groups: Any = None
+    """collectives.HostGroups: gloo twins of the model-parallel / data-parallel groups for long waits."""
 
     @property
     def is_engine_rank(self) -> bool:
@@ -184,6 +186,8 @@ def build_run(cfg: RunConfig) -> Run:
                                 load_weights=not cfg.model.megatron_ckpt)
     if cfg.model.megatron_ckpt:
         actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
+    # Every rank, in the same order, before the engine rank goes off to start servers (minutes).
+    host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
@@ -195,4 +199,4 @@ def build_run(cfg: RunConfig) -> Run:
     if parallel.rank == 0:
         save_config(cfg, Path(cfg.log.dir) / "config.yaml")
     return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),
-               build_controller(cfg), logger, checkpointer)
+               build_controller(cfg), logger, checkpointer, host_groups=host_groups)

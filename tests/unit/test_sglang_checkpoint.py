@@ -110,3 +110,15 @@ def test_activation_quantizer_matches_sglang_per_token_group_arithmetic():
     q8, s8 = quantize_activation_groups(torch.tensor([[3.0, 1.0]]), 2, "ue8m0")
     assert s8.tolist() == [[2.0 ** -7]]  # 3/448 = 0.0067 -> next power of two 2^-7 = 0.0078
     assert q8.float().tolist() == [[384.0, 128.0]]
+
+
+def test_rollout_wait_of_non_engine_ranks_runs_on_the_gloo_twin(monkeypatch):
+    from megatron_rl import collectives, rl_step
+
+    seen = []
+    monkeypatch.setattr(collectives, "broadcast_object", lambda obj, src, group: seen.append(group) or obj)
+    monkeypatch.setattr(collectives, "global_rank", lambda group, r: 0)
+    parallel = types.SimpleNamespace(tp_size=2, pp_size=1, mp_group="nccl-mp-group")
+    gloo = collectives.HostGroups(mp="gloo-mp-group", dp=None, world=None)
+    assert rl_step._broadcast_from_engine_rank(["s"], parallel, gloo) == ["s"]
+    assert seen == ["gloo-mp-group"]
