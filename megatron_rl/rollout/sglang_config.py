@@ -62,6 +62,10 @@ class SGLangConfig:
     pause_mode: str = "abort"
     """pause_generation mode: abort (in-flight requests end and are retried after the update, so no
     sample mixes two weight versions) | retract | in_place."""
+    deterministic_inference: bool = False
+    """Start the servers with --enable-deterministic-inference. Only then does SGLang honour the
+    per-request `sampling_seed` the engine sends (sampling/sampling_batch_info.py); without it rows
+    are sampled from the server's own generator (--random-seed), so reruns differ."""
     extra_args: list[str] = field(default_factory=list)
     """Extra `sglang.launch_server` arguments, e.g. ["--context-length", "20480"]."""
     server_command: list[str] = field(default_factory=list)

@@ -337,7 +337,10 @@ def _generate_body(rows, sampling: SamplingParams) -> dict:
              "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos}
         if sampling.stop_token_ids:
             p["stop_token_ids"] = sorted(int(t) for t in sampling.stop_token_ids)
-        if sampling.seed is not None:  # distinct per row, else the n replicas would be identical
+        # Distinct per row, else the n replicas would be identical. SGLang uses it only under
+        # --enable-deterministic-inference (rollout.sglang.deterministic_inference); otherwise rows
+        # come from the server's generator and a rerun samples differently.
+        if sampling.seed is not None:
             p["sampling_seed"] = (sampling.seed * 1_000_003 + index * 1_009 + replica) % 2**31
         params.append(p)
     return {"input_ids": [prompt for _, prompt, _ in rows], "sampling_params": params,

@@ -22,6 +22,8 @@ def server_args(cfg: SGLangConfig, model_path: str, port: int, base_gpu_id: int,
             "--kv-cache-dtype", cfg.kv_cache_dtype, "--weight-version", "0"]
     if cfg.quantization:
         args += ["--quantization", cfg.quantization]
+    if cfg.deterministic_inference:
+        args += ["--enable-deterministic-inference"]
     if cfg.mode == "colocated":
         args += ["--enable-memory-saver"]  # release/resume_memory_occupation need it
     return args + list(cfg.extra_args)

@@ -50,14 +50,13 @@ def api_key(monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
 
 
-def test_untested_sglang_version_is_refused_by_name(qwen2_dir):
-    proc, url = start_double(qwen2_dir, "--report-version", "0.5.5")
-    try:
-        with pytest.raises(RuntimeError, match=r"SGLang 0.5.5 at http://127.0.0.1:\d+ is not supported.*0.5.23"):
-            attach(url)
-    finally:
-        proc.kill()
-        proc.wait()
+def test_untested_sglang_version_is_refused_by_name(fp8_kv_server, monkeypatch):
+    from megatron_rl.rollout import sglang_engine
+
+    # The double reports 0.5.23; an engine tested only against 0.5.30 must refuse it by name.
+    monkeypatch.setattr(sglang_engine, "SUPPORTED_VERSIONS", ("0.5.30",))
+    with pytest.raises(RuntimeError, match=r"SGLang 0.5.23 at http://127.0.0.1:\d+ is not supported.*0.5.30"):
+        attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3")
 
 
 def test_server_started_with_other_settings_is_refused(fp8_kv_server):
@@ -117,3 +116,22 @@ def test_disaggregated_servers_get_the_whole_sglang_section():
     assert router[0] == "/opt/sgl/bin/sglang-router"
     assert router[router.index("--api-key") + 1] == "KEY"
     assert float(router[router.index("--request-timeout-secs") + 1]) >= 7200
+
+
+def test_declared_sglang_pin_is_the_tested_version():
+    import re
+    from pathlib import Path
+
+    from megatron_rl.rollout.sglang_engine import SUPPORTED_VERSIONS
+
+    root = Path(__file__).resolve().parents[2]
+    setup_pins = re.findall(r'"sglang([=<>!~]=?[^"]*)"', (root / "setup.py").read_text())
+    make_pins = re.findall(r'"sglang([=<>!~]=?[^"]*)"', (root / "Makefile").read_text())
+    assert setup_pins == [f"=={v}" for v in SUPPORTED_VERSIONS] and make_pins == setup_pins
+
+
+def test_deterministic_inference_flag_reaches_the_server():
+    from megatron_rl.rollout.sglang_server import server_args
+
+    assert "--enable-deterministic-inference" not in server_args(SGLangConfig(), "/m", 1, 0, 0)
+    assert "--enable-deterministic-inference" in server_args(SGLangConfig(deterministic_inference=True), "/m", 1, 0, 0)
