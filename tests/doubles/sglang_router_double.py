@@ -22,13 +22,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import socket
+import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from double_http import QuietHandler, serve  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,45 +85,28 @@ class Router:
 
 
 def make_handler(router: Router):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
+    class Handler(QuietHandler):
         def do_GET(self):
             path = self.path.split("?")[0]
             if path in ("/health", "/readiness", "/liveness"):
-                return self._reply(200, b"")
+                return self.reply(200, b"")
             if path == "/workers":
-                return self._reply(200, json.dumps({"urls": list(router.in_flight)}).encode())
-            self._reply(404, b'{"error": "not found"}')
+                return self.reply(200, {"urls": list(router.in_flight)})
+            self.reply(404, {"error": "not found"})
 
         def do_POST(self):
-            data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            data = self.body()
             if self.path.split("?")[0] != "/generate":
-                return self._reply(404, b'{"error": "the router double proxies /generate only"}')
-            self._reply(*router.forward("/generate", data))
-
-        def _reply(self, status: int, data: bytes):
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                return self.reply(404, {"error": "the router double proxies /generate only"})
+            self.reply(*router.forward("/generate", data))
 
     return Handler
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(Router(args)))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    print(f"sglang router double on {args.host}:{args.port} -> {args.worker_urls}", flush=True)
-    time.sleep(args.lifetime_s)
-    os._exit(0)
-
+    serve(make_handler(Router(args)), args.host, args.port, args.lifetime_s,
+          f"sglang router double on {args.host}:{args.port} -> {args.worker_urls}")
 
 if __name__ == "__main__":
     main()

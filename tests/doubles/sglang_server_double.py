@@ -53,11 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -66,6 +62,7 @@ sys.path[:0] = [str(_HERE), str(_HERE.parents[1])]
 import torch  # noqa: E402
 
 import sglang_weights_double as weights  # noqa: E402
+from double_http import QuietHandler, serve  # noqa: E402
 from sglang_server_state import BadRequest, ServerState  # noqa: E402
 
 SGLANG_VERSION = "0.5.23"
@@ -104,12 +101,7 @@ def authorized(path: str, header: str | None, api_key: str) -> bool:
 
 
 def make_handler(state: ServerState):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
+    class Handler(QuietHandler):
         def do_GET(self):
             self._serve()
 
@@ -118,26 +110,16 @@ def make_handler(state: ServerState):
 
         def _serve(self):
             path = self.path.split("?")[0]
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            raw = self.body()
             if not authorized(path, self.headers.get("Authorization"), state.args.api_key):
-                return self._reply(401, {"error": "Unauthorized"})
+                return self.reply(401, {"error": "Unauthorized"})
             try:
-                body = json.loads(raw or b"{}")
-                status, payload = state.handle(path, body)
+                status, payload = state.handle(path, json.loads(raw or b"{}"))
             except BadRequest as err:
                 status, payload = 400, {"error": str(err)}
             except weights.LoadError as err:
                 status, payload = 400, {"success": False, "message": str(err)}
-            self._reply(status, payload)
-
-        def _reply(self, status: int, payload):
-            text = isinstance(payload, str)
-            data = payload.encode() if text else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "text/plain" if text else "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.reply(status, payload)
 
     return Handler
 
@@ -146,13 +128,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     state = ServerState(args, args.report_version)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    print(f"sglang double {SGLANG_VERSION} serving {args.model_path} on {args.host}:{args.port}", flush=True)
-    time.sleep(args.lifetime_s)
-    os._exit(0)
-
+    serve(make_handler(state), args.host, args.port, args.lifetime_s,
+          f"sglang double {args.report_version} serving {args.model_path} on {args.host}:{args.port}")
 
 if __name__ == "__main__":
     main()

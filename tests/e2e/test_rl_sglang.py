@@ -12,19 +12,17 @@ import pytest
 
 from sglang_testing import API_KEY, ROUTER_COMMAND, SERVER_COMMAND, free_port_block
 
+from test_rl_loop import TINY as LOOP_TINY
+
 from megatron_rl.config import load_config
 from megatron_rl.telemetry import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tiny"
 
-TINY = [
-    "model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "train.sft_steps=10",
-    "train.sft_batch_size=16", "data.prompts_per_step=4", "data.num_examples=64",
-    "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6", "train.micro_batch_size=8",
-    "train.num_mini_batches=2", "log.progress=false", "log.tensorboard=false", "log.plot=false",
-    "calib.period=2", "sync.check=true", "checkpoint.save_final=false", "train.num_steps=3",
-    "reward.name=position_match", "precision.weight_block_size=[32,32]",
-]
+# The tiny loop's settings (test_rl_loop.py), made cheaper: 3 steps, short SFT and responses, and
+# 32x32 FP8 blocks so the tiny model's q/k/v rows divide as SGLang requires.
+TINY = [*LOOP_TINY, "train.sft_steps=10", "rollout.max_new_tokens=6", "train.num_steps=3",
+        "precision.weight_block_size=[32,32]"]
 MODES = {"colocated": ["rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=tensor"],
          "disaggregated": ["rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=nccl"]}
 RECIPES = {"fp8": ("fp8_calibrated.yaml", []), "bf16": ("bf16.yaml", [])}
