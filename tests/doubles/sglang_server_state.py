@@ -6,7 +6,6 @@ import base64
 import datetime
 import hashlib
 import io
-import json
 import os
 import pickle
 import threading

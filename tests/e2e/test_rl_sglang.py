@@ -5,7 +5,6 @@ double, launched by the engine through rollout.sglang.server_command / router_co
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
