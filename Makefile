@@ -17,7 +17,7 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	$(PY) -m pip install -q --no-deps "sglang==0.5.23"  # source only (its server needs CUDA): the SGLang conformance tests read its API schemas
+	$(PY) -m pip install -q --no-deps "sglang==0.5.23"  # source only (its server needs CUDA): the SGLang doubles read its API schemas
 	touch $@
 
 demo: setup

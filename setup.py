@@ -24,7 +24,9 @@ CORE = [
 EXTRAS = {
     # GPU-only stack: imported lazily, in one place each (megatron_rl/fp8/te_recipe.py,
     # megatron_rl/rollout/sglang_engine.py). Never `apex` from PyPI: it is an unrelated package.
-    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang>=0.5.5", "nvidia-modelopt>=0.33"],
+    # sglang: exactly the versions megatron_rl/rollout/sglang_engine.py SUPPORTED_VERSIONS names (its
+    # weight-update protocol changes between releases: 0.5.23 needs update sessions).
+    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23", "sglang-router", "nvidia-modelopt>=0.33"],
     "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"],
 }
 

@@ -32,6 +32,8 @@ class Run:
     logger: Any
     checkpointer: Any
     reward_stats: dict[str, float] = field(default_factory=dict)
+    host_groups: Any = None
+    """collectives.HostGroups: gloo twins of the model-parallel / data-parallel groups for long waits."""
 
     @property
     def is_engine_rank(self) -> bool:
@@ -140,16 +142,24 @@ def build_sglang(cfg: RunConfig, model_dir: Path):
 
     Colocated servers with TP > 1 need every rank of a server's GPU group to gather its payload
     (SGLangTensorTransport(gather=...)); this builder wires the single-sender layout."""
+    from megatron_rl.rollout.sglang_checkpoint import (check_block_alignment, check_scale_format,
+                                                       rollout_checkpoint, rollout_quant_spec)
     from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.sync.disk_transport import DiskTransport
     from megatron_rl.sync.sglang_transport import SGLangNcclTransport, SGLangTensorTransport
 
     sg = cfg.rollout.sglang
-    engine = SGLangEngine(sg, model_dir, seed=cfg.train.seed, log_dir=Path(cfg.log.dir) / "sglang")
+    if sg.mode == "colocated" and torch.cuda.is_available():  # the servers share this GPU's architecture
+        major, minor = torch.cuda.get_device_capability()
+        check_scale_format(rollout_quant_spec(cfg), 10 * major + minor)
+    check_block_alignment(model_dir, rollout_quant_spec(cfg))
+    engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed,
+                          log_dir=Path(cfg.log.dir) / "sglang")
     if sg.weight_transport == "tensor":
         return engine, SGLangTensorTransport(engine, check=cfg.sync.check)
-    if sg.weight_transport == "nccl":
-        return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port,
+    if sg.weight_transport == "nccl":  # gloo on a CPU-only trainer (the servers then need gloo too)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port, backend=backend,
                                            check=cfg.sync.check)
     return engine, DiskTransport(engine, sg.disk_dir or Path(cfg.log.dir) / "weights", template_dir=model_dir)
 
@@ -212,7 +222,7 @@ def build_run(cfg: RunConfig) -> Run:
     from megatron_rl.actor.parallel import init_parallel
     from megatron_rl.actor.quiet import megatron_quiet
     from megatron_rl.checkpoint import Checkpointer
-    from megatron_rl.sync.quantize import RolloutQuantSpec
+    from megatron_rl.rollout.sglang_checkpoint import rollout_quant_spec
     from megatron_rl.sync.weight_sync import WeightSync
     from megatron_rl.telemetry import MetricsLogger
     from transformers import AutoTokenizer
@@ -228,9 +238,11 @@ def build_run(cfg: RunConfig) -> Run:
     t = cfg.train
     with megatron_quiet():
         actor = build_actor(cfg, settings, parallel, model_dir)
+    # Every rank, in the same order, before the engine rank goes off to start servers (minutes).
+    host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks)
     is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
     engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
-    sync = WeightSync(actor, transport, RolloutQuantSpec.from_config(cfg.precision),
+    sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save)
@@ -240,4 +252,4 @@ def build_run(cfg: RunConfig) -> Run:
     if parallel.rank == 0:
         save_config(cfg, Path(cfg.log.dir) / "config.yaml")
     return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),
-               build_controller(cfg), logger, checkpointer)
+               build_controller(cfg), logger, checkpointer, host_groups=host_groups)

@@ -87,6 +87,13 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of `group`'s members, in group-rank order ([0] without torch.distributed)."""
+    if not dist.is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 def barrier(group: dist.ProcessGroup | None) -> None:
     """Wait until every rank of `group` arrives (a no-op for one rank)."""
     if group_size(group) > 1:

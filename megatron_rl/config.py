@@ -382,6 +382,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_token_budget(cfg)
     if cfg.rollout.engine == "sglang":
         validate_sglang(cfg.rollout.sglang)
+        if cfg.rollout.sglang.quantization == "fp8" and cfg.precision.rollout_quant == "fp8_blockwise":
+            raise ValueError("config key 'rollout.sglang.quantization': 'fp8' quantizes a BF16 checkpoint online "
+                             "per channel (weight_scale), so the blockwise updates of precision.rollout_quant="
+                             "fp8_blockwise (weight_scale_inv) have nowhere to go; leave it empty and let the "
+                             "servers load a block-FP8 checkpoint (rollout.sglang.model_path or the automatic one)")
     validate_parallel(cfg)
     _validate_calib(cfg)
     return cfg

@@ -121,20 +121,25 @@ def trainer_argv(plan: Plan, node: str, config: str, overrides: list[str]) -> li
             "-m", "megatron_rl.train", config, "rollout.engine=sglang", *sglang, *overrides]
 
 
-def rollout_argvs(plan: Plan, node: str, model: str, api_key: str) -> list[list[str]]:
-    """sglang.launch_server per TP group of this rollout node (+ the router on the first one)."""
+def rollout_argvs(plan: Plan, node: str, model: str, api_key: str, sglang=None) -> list[list[str]]:
+    """sglang.launch_server per TP group of this rollout node (+ the router on the first one).
+
+    sglang: the run's `rollout.sglang` section (kv_cache_dtype, mem_fraction_static, quantization,
+    extra_args, commands...); the plan decides only placement (host, ports, TP size)."""
+    import dataclasses
+
     from megatron_rl.rollout import _sglang
     from megatron_rl.rollout.sglang_config import SGLangConfig
     from megatron_rl.rollout.sglang_server import router_args, server_args
 
-    cfg = SGLangConfig(mode="disaggregated", host=node, tp_size=plan.tp_size, weight_transport="nccl",
-                       router_port=plan.router_port)
+    cfg = dataclasses.replace(sglang or SGLangConfig(), mode="disaggregated", host=node, tp_size=plan.tp_size,
+                              weight_transport="nccl", router_port=plan.router_port)
     argvs = [_sglang.server_argv(server_args(cfg, model, plan.server_port + i, i * plan.tp_size, seed=i)
-                                 + ["--api-key", api_key])
+                                 + ["--api-key", api_key], cfg.server_command)
              for i in range(plan.gpus_per_node // plan.tp_size)]
     if node == plan.rollout_nodes[0]:
         all_urls = [u for n in plan.rollout_nodes for u in plan.servers_of(n)]
-        argvs.append(_sglang.router_argv(router_args(cfg, all_urls)))
+        argvs.append(_sglang.router_argv(router_args(cfg, all_urls) + ["--api-key", api_key], cfg.router_command))
     return argvs
 
 
@@ -147,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     node = plan.nodes[int(env.get("SLURM_NODEID", "0"))]
     if plan.layout == "disaggregated" and node in plan.rollout_nodes:
         model, key = env["MEGATRON_RL_MODEL"], env["MEGATRON_RL_SGLANG_API_KEY"]
-        procs = [subprocess.Popen(a) for a in rollout_argvs(plan, node, model, key)]
+        from megatron_rl.config import load_config
+
+        sglang = load_config(argv[0], argv[1:]).rollout.sglang
+        procs = [subprocess.Popen(a) for a in rollout_argvs(plan, node, model, key, sglang)]
         return max(p.wait() for p in procs)  # servers live until the job ends (scancel / time limit)
     return subprocess.call(trainer_argv(plan, node, argv[0], argv[1:]))
 

@@ -75,7 +75,7 @@ def generate(run, prompts, step: int) -> Rollout:
     t0 = time.perf_counter()
     prompts = _shard(prompts, run.parallel)
     samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
-    samples = _broadcast_from_engine_rank(samples, run.parallel)
+    samples = _broadcast_from_engine_rank(samples, run.parallel, run.host_groups)
     t_rollout = time.perf_counter() - t0
     rewards, metrics = _score_on_engine_rank(run, prompts, samples)
     n = run.cfg.rollout.n_samples_per_prompt
@@ -114,14 +114,18 @@ def _score_on_engine_rank(run, prompts, samples) -> tuple[torch.Tensor, dict[str
     under a wall-clock timeout could give the ranks different advantages, hence different (L, H)
     and losses inside one replica."""
     scored = _score(run, prompts, samples) if run.is_engine_rank else None
-    return _broadcast_from_engine_rank(scored, run.parallel)
+    return _broadcast_from_engine_rank(scored, run.parallel, run.host_groups)
 
 
-def _broadcast_from_engine_rank(samples, parallel):
-    """Samples from the first rank of the model-parallel group to the group's other ranks."""
+def _broadcast_from_engine_rank(samples, parallel, host_groups=None):
+    """Samples from the first rank of the model-parallel group to the group's other ranks.
+
+    The other ranks wait here for a whole rollout (a 16-20K-token tail can pass NCCL's 30-minute
+    watchdog), so the wait runs on the gloo twin of the model-parallel group when there is one."""
     if parallel.tp_size * parallel.pp_size == 1:
         return samples
-    group = parallel.mp_group  # TP x PP ranks of this data-parallel replica
+    mp_host = host_groups.mp if host_groups is not None else None
+    group = mp_host if mp_host is not None else parallel.mp_group  # TP x PP ranks of this replica
     return collectives.broadcast_object(samples, collectives.global_rank(group, 0), group)
 
 

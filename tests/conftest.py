@@ -7,9 +7,12 @@ built once per session and per set of overrides; treat them as read-only.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).with_name("doubles")))  # SGLang doubles: tests import them by name
 
 ARCHS = ("llama", "qwen2", "qwen3")
 

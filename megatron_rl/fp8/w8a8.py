@@ -172,10 +172,8 @@ class W8A8Linear(nn.Module):
 
     def _fake_quant_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "blockwise":
-            pow2 = self.scale_format == "ue8m0"
-            bi = self.block_size[1]
-            q, s = quantize(x, "block1x128", E4M3, bi, power_2_scale=pow2)
-            return dequantize(q, s, "block1x128", bi)
+            q, s = quantize_activation_groups(x, self.block_size[1], self.scale_format)
+            return _dequantize_groups(q, s, self.block_size[1])
         scale = None if self.input_scale is None else torch.reciprocal(self.input_scale)
         q, s = quantize(x, "tensorwise", E4M3, scale=scale)
         return dequantize(q, s, "tensorwise")
@@ -201,6 +199,42 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"mode={self.mode}, block_size={self.block_size}, scale_format={self.scale_format}")
+
+
+def quantize_activation_groups(x: torch.Tensor, group: int, scale_format: str = "fp32"
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's dynamic per-token-group activation quantizer, arithmetic for arithmetic.
+
+    sglang 0.5.23 kernels/jit/csrc/gemm/per_token_group_quant.cuh:405-420: amax floored at 1e-10,
+    scale_inv = amax * float32(1/448) (what the GEMM multiplies by), q = sat(x * (448 / amax)); UE8M0:
+    scale_inv = 2^ceil(log2(amax / 448)), q = sat(x / scale_inv). SGLang asserts K % group == 0
+    (kernels/ops/quantization/fp8_kernel.py:502) and the SGLang build path refuses such models; here a
+    ragged last group is zero-padded (its amax over the elements that exist).
+
+    Args:
+        x: [..., K] float activations. group: elements per group (block_size[1]).
+    Returns:
+        q [..., K] float8_e4m3fn and scale_inv [..., ceil(K / group)] float32.
+    """
+    xf = x.float()
+    k = xf.shape[-1]
+    pad = -k % group
+    groups = torch.nn.functional.pad(xf, (0, pad)).reshape(*xf.shape[:-1], -1, group)
+    amax = groups.abs().amax(dim=-1).clamp_min(1e-10)
+    fp8_max = torch.finfo(E4M3).max
+    if scale_format == "ue8m0":
+        scale_inv = torch.exp2(torch.ceil(torch.log2(amax * torch.tensor(1.0 / fp8_max))))
+        quant_scale = torch.reciprocal(scale_inv)
+    else:
+        scale_inv = amax * torch.tensor(1.0 / fp8_max, dtype=torch.float32)
+        quant_scale = torch.div(torch.full_like(amax, fp8_max), amax)
+    q = (groups * quant_scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(E4M3)
+    return q.reshape(*xf.shape[:-1], -1)[..., :k], scale_inv
+
+
+def _dequantize_groups(q: torch.Tensor, scale_inv: torch.Tensor, group: int) -> torch.Tensor:
+    k = q.shape[-1]
+    return (q.float() * scale_inv.repeat_interleave(group, dim=-1)[..., :k])
 
 
 def default_skip(name: str, module: nn.Module) -> bool:

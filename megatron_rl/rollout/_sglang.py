@@ -16,13 +16,20 @@ def require_module(name: str, install_hint: str) -> None:
                            f"machine: {install_hint}")
 
 
-def server_argv(args: list[str]) -> list[str]:
-    require_module(SERVER_MODULE, "pip install 'sglang>=0.5.5' on the GPU nodes")
+def server_argv(args: list[str], command: list[str] | None = None) -> list[str]:
+    """`command` + args; no command = `python -m sglang.launch_server` of this interpreter (then the
+    package must be installed here; a command runs SGLang from another environment or a container)."""
+    if command:
+        return [*command, *args]
+    require_module(SERVER_MODULE, "pip install 'sglang==0.5.23' on the GPU nodes, or set "
+                                  "rollout.sglang.server_command")
     return [sys.executable, "-m", SERVER_MODULE, *args]
 
 
-def router_argv(args: list[str]) -> list[str]:
-    require_module(ROUTER_MODULE, "pip install sglang-router")
+def router_argv(args: list[str], command: list[str] | None = None) -> list[str]:
+    if command:
+        return [*command, *args]
+    require_module(ROUTER_MODULE, "pip install sglang-router, or set rollout.sglang.router_command")
     return [sys.executable, "-m", ROUTER_MODULE, *args]
 
 

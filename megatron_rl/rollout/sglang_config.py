@@ -9,6 +9,7 @@ MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bfloat16")
 PAUSE_MODES = ("abort", "retract", "in_place")
+KV_SCALES = ("unit", "sent")
 _ANY_INTERFACE = ("0.0.0.0", "::", "")
 
 
@@ -61,8 +62,33 @@ class SGLangConfig:
     pause_mode: str = "abort"
     """pause_generation mode: abort (in-flight requests end and are retried after the update, so no
     sample mixes two weight versions) | retract | in_place."""
+    deterministic_inference: bool = False
+    """Start the servers with --enable-deterministic-inference. Only then does SGLang honour the
+    per-request `sampling_seed` the engine sends (sampling/sampling_batch_info.py); without it rows
+    are sampled from the server's own generator (--random-seed), so reruns differ."""
     extra_args: list[str] = field(default_factory=list)
     """Extra `sglang.launch_server` arguments, e.g. ["--context-length", "20480"]."""
+    server_command: list[str] = field(default_factory=list)
+    """Command that starts one server, before its arguments; empty = `python -m sglang.launch_server`
+    with this interpreter. For SGLang installed elsewhere, e.g. ["/opt/sglang/bin/python", "-m",
+    "sglang.launch_server"] or ["apptainer", "exec", "--nv", "sglang.sif", "python3", "-m",
+    "sglang.launch_server"]."""
+    router_command: list[str] = field(default_factory=list)
+    """Command that starts sglang-router, before its arguments; empty = `python -m
+    sglang_router.launch_router` with this interpreter."""
+    model_path: str = ""
+    """Checkpoint the servers load. Empty = the run's HF model, converted at start into
+    <log.dir>/rollout_fp8 (tools/convert_hf_to_fp8.py) when precision.rollout_quant is fp8_blockwise,
+    so the servers hold FP8 parameters with weight_scale_inv that updates can overwrite."""
+    router_request_timeout_s: float = 0.0
+    """sglang-router's --request-timeout-secs; 0 = request_timeout_s plus a minute, so the router
+    never gives up on a request the client still waits for (the router's own default is 1800 s)."""
+    kv_scales: str = "unit"
+    """FP8 KV cache scales: unit (SGLang's default k_scale = v_scale = 1.0, as slime and miles run it;
+    logged at start) | sent (every weight update must carry k_scale / v_scale tensors)."""
+    flush_retries: int = 60
+    """/flush_cache attempts, one per second: SGLang refuses it (400) while any request runs, and a
+    health-generation probe of the router can be one."""
 
     def api_key(self) -> str:
         key = os.environ.get(self.api_key_env, "")
@@ -78,6 +104,9 @@ def validate_sglang(cfg: SGLangConfig) -> SGLangConfig:
     _choice("weight_transport", cfg.weight_transport, WEIGHT_TRANSPORTS)
     _choice("kv_cache_dtype", cfg.kv_cache_dtype, KV_CACHE_DTYPES)
     _choice("pause_mode", cfg.pause_mode, PAUSE_MODES)
+    _choice("kv_scales", cfg.kv_scales, KV_SCALES)
+    if cfg.flush_retries < 1:
+        raise ValueError(f"rollout.sglang.flush_retries: must be >= 1, got {cfg.flush_retries}")
     if cfg.quantization not in ("", "fp8"):
         raise ValueError(f"rollout.sglang.quantization: {cfg.quantization!r} is not one of ['', 'fp8']")
     if cfg.host in _ANY_INTERFACE:

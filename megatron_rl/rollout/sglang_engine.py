@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -35,6 +36,9 @@ from megatron_rl.rollout.sglang_server import (ManagedProcess, Server, build_ser
 
 log = logging.getLogger("megatron_rl.rollout.sglang")
 KV_SCALE_LEAVES = ("k_scale", "v_scale")
+# SGLang versions this engine was tested against (their weight-update protocol: the update session of
+# begin_weight_update / end_weight_update, weight_version on every update, flattened buckets).
+SUPPORTED_VERSIONS = ("0.5.23",)
 
 
 class RolloutUnavailableError(RuntimeError):
@@ -66,6 +70,7 @@ class SGLangEngine(RolloutEngine):
         self._log_dir = log_dir
         self._version = 0
         self._pending: int | None = None
+        self._session_open = False
         self._kv_scales_sent: set[str] = set()
         self._lock = threading.Lock()
         self._restart_locks = {id(s): threading.Lock() for s in self.servers}
@@ -80,13 +85,18 @@ class SGLangEngine(RolloutEngine):
             if s.process is not None:
                 s.process.start()
         wait_healthy(self.servers, self.cfg.startup_timeout_s)
+        self.server_versions = [check_server_info(s, self.cfg) for s in self.servers]
+        if self.cfg.kv_cache_dtype.startswith("fp8") and self.cfg.kv_scales == "unit":
+            log.warning("FP8 KV cache (%s) with SGLang's unit k/v scales (1.0), as slime and miles run it; "
+                        "set rollout.sglang.kv_scales=sent to send recalibrated scales", self.cfg.kv_cache_dtype)
         if self.cfg.router_url:
             self.router = SGLangClient(self.cfg.router_url, self.cfg.api_key(), self.cfg.request_timeout_s)
         elif self.cfg.launch_router:
             self._start_router()
 
     def _start_router(self) -> None:
-        argv = _sglang.router_argv(router_args(self.cfg, [s.url for s in self.servers]))
+        argv = _sglang.router_argv(router_args(self.cfg, [s.url for s in self.servers])
+                                   + ["--api-key", self.cfg.api_key()], self.cfg.router_command)
         log_path = self._log_dir / "sglang_router.log" if self._log_dir else None
         self._router_proc = ManagedProcess(argv, launch_env(), log_path)
         self._router_proc.start()
@@ -198,13 +208,33 @@ class SGLangEngine(RolloutEngine):
         with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
             return list(pool.map(lambda s: _checked(s.client.post(path, body or {}), s, path), targets))
 
-    def begin_update(self, version: int) -> None:
+    def begin_update(self, version: int, session: bool = True) -> None:
         if version <= self._version:
             raise ValueError(f"weight version {version} is not newer than the engine's {self._version}")
         if self._pending not in (None, version):
             raise ValueError(f"version {version} while the update to {self._pending} is in progress")
         self._pending = version
         self._kv_scales_sent = set()
+        self._session_open = session  # update_weights_from_disk reloads outside a session
+        if session:
+            self.open_sessions()
+
+    def open_sessions(self) -> None:
+        """POST /begin_weight_update on every server: SGLang 0.5.23 refuses update_weights_from_tensor /
+        _from_distributed outside a session (scheduler_components/weight_updater.py). A session a
+        failed sync left open is closed first, so one failure does not block every later sync."""
+        def begin(server: Server):
+            try:
+                return _checked(server.client.post("/begin_weight_update", {}), server, "/begin_weight_update")
+            except SGLangHTTPError as err:
+                if "already open" not in err.body:
+                    raise
+                log.warning("%s: closing a weight-update session left open by a failed sync", server.url)
+                server.client.post("/end_weight_update", {})
+                return server.client.post("/begin_weight_update", {})
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self.servers))) as pool:
+            list(pool.map(begin, self.servers))
 
     def note_sent(self, names: Iterable[str]) -> None:
         """Transports report what reached every server (FP8 KV scales are checked at finish)."""
@@ -214,6 +244,9 @@ class SGLangEngine(RolloutEngine):
         """One bucket through update_weights_from_tensor (single-GPU servers; see sync.sglang_transport)."""
         from megatron_rl.rollout.sglang_payload import LOAD_FORMAT, flatten_bucket, serialize_flattened
 
+        if any(s.tp_size > 1 for s in self.servers):
+            raise ValueError("rollout.sglang.tp_size > 1: every TP rank needs its own payload; use "
+                             "megatron_rl.sync.sglang_transport.SGLangTensorTransport with a gather")
         if self._pending is None:
             self.begin_update(version)
         bucket = list(named_tensors)
@@ -230,8 +263,8 @@ class SGLangEngine(RolloutEngine):
     def update_weights_from_disk(self, path: str | Path, version: int) -> None:
         """Load a published safetensors folder (megatron_rl.sync.disk_transport) on every server."""
         index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
-        self.begin_update(version)
         self.pause()
+        self.begin_update(version, session=False)
         self.broadcast("/update_weights_from_disk", {"model_path": str(path), "weight_version": str(version)})
         self.note_sent(index["weight_map"])
         self.finish_update(version)
@@ -241,17 +274,34 @@ class SGLangEngine(RolloutEngine):
         """Every bucket is in: check FP8 KV scales came along, flush the radix cache, adopt `version`."""
         if self._pending != version:
             raise ValueError(f"finish_update({version}) but the update in progress is {self._pending}")
-        if self.cfg.kv_cache_dtype.startswith("fp8") and not self._kv_scales_sent:
-            raise ValueError(f"version {version}: kv_cache_dtype={self.cfg.kv_cache_dtype} but no "
-                             "k_scale/v_scale tensors were sent; stale KV scales silently corrupt attention")
+        if self.cfg.kv_scales == "sent" and self.cfg.kv_cache_dtype.startswith("fp8") and not self._kv_scales_sent:
+            raise ValueError(f"version {version}: rollout.sglang.kv_scales=sent but no k_scale/v_scale "
+                             "tensors were sent; stale KV scales silently corrupt attention")
+        if self._session_open:
+            self.broadcast("/end_weight_update", {})
+            self._session_open = False
         self.flush_cache()
         with self._lock:
             for s in self.servers:
                 s.version = version
             self._version, self._pending = version, None
 
-    def flush_cache(self) -> None:
-        self.broadcast("/flush_cache")
+    def flush_cache(self, retry_s: float = 1.0) -> None:
+        """/flush_cache on every server, retried: SGLang answers 400 while any request runs or waits,
+        and a health-generation probe (of the router, or SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION)
+        can be one at any moment (slime retries the same way)."""
+        def flush(server: Server):
+            for attempt in range(self.cfg.flush_retries):
+                try:
+                    return server.client.post("/flush_cache")
+                except SGLangHTTPError as err:
+                    if err.status != 400 or attempt + 1 == self.cfg.flush_retries:
+                        raise
+                    log.info("%s: flush_cache refused (%s); retrying", server.url, err.body.strip()[:80])
+                    time.sleep(retry_s)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self.servers))) as pool:
+            list(pool.map(flush, self.servers))
 
     def pause(self) -> None:
         """Stop generation on every server; a launched server found dead is restarted first (it then
@@ -288,7 +338,10 @@ def _generate_body(rows, sampling: SamplingParams) -> dict:
              "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos}
         if sampling.stop_token_ids:
             p["stop_token_ids"] = sorted(int(t) for t in sampling.stop_token_ids)
-        if sampling.seed is not None:  # distinct per row, else the n replicas would be identical
+        # Distinct per row, else the n replicas would be identical. SGLang uses it only under
+        # --enable-deterministic-inference (rollout.sglang.deterministic_inference); otherwise rows
+        # come from the server's generator and a rerun samples differently.
+        if sampling.seed is not None:
             p["sampling_seed"] = (sampling.seed * 1_000_003 + index * 1_009 + replica) % 2**31
         params.append(p)
     return {"input_ids": [prompt for _, prompt, _ in rows], "sampling_params": params,
@@ -300,6 +353,21 @@ def _as_list(out, num_rows: int) -> list[dict]:
     if len(items) != num_rows:
         raise _Retryable(f"/generate returned {len(items)} results for {num_rows} inputs")
     return items
+
+
+def check_server_info(server: Server, cfg: SGLangConfig) -> str:
+    """The server's SGLang version from /server_info; RuntimeError for an untested version and for
+    settings that differ from `cfg` (a server started elsewhere with other flags)."""
+    info = server.client.get("/server_info")
+    version = str(info.get("version", "unknown"))
+    if version not in SUPPORTED_VERSIONS:
+        raise RuntimeError(f"SGLang {version} at {server.url} is not supported: its weight-update protocol "
+                           f"differs from the tested versions {list(SUPPORTED_VERSIONS)}")
+    for key in ("kv_cache_dtype", "tp_size"):
+        if key in info and str(info[key]) != str(getattr(cfg, key)):
+            raise RuntimeError(f"SGLang server {server.url} runs {key}={info[key]!r} but rollout.sglang.{key}="
+                               f"{getattr(cfg, key)!r}")
+    return version
 
 
 def _checked(resp, server: Server, path: str):

@@ -22,14 +22,21 @@ def server_args(cfg: SGLangConfig, model_path: str, port: int, base_gpu_id: int,
             "--kv-cache-dtype", cfg.kv_cache_dtype, "--weight-version", "0"]
     if cfg.quantization:
         args += ["--quantization", cfg.quantization]
+    if cfg.deterministic_inference:
+        args += ["--enable-deterministic-inference"]
     if cfg.mode == "colocated":
         args += ["--enable-memory-saver"]  # release/resume_memory_occupation need it
     return args + list(cfg.extra_args)
 
 
 def router_args(cfg: SGLangConfig, worker_urls: list[str]) -> list[str]:
+    """sglang-router arguments, without --api-key (added where the key is at hand, like the servers').
+
+    --request-timeout-secs: the router's default (1800 s) is below the client's request timeout, so a
+    long rollout tail would be cut by the router while the client still waits."""
+    timeout = cfg.router_request_timeout_s or cfg.request_timeout_s + 60.0
     return ["--worker-urls", *worker_urls, "--host", cfg.host, "--port", str(cfg.router_port),
-            "--policy", "cache_aware"]
+            "--policy", "cache_aware", "--request-timeout-secs", str(int(timeout))]
 
 
 @dataclass
@@ -42,6 +49,8 @@ class ManagedProcess:
     proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -90,8 +99,8 @@ def build_servers(cfg: SGLangConfig, model_path: str, api_key: str, seed: int = 
                   log_dir: Path | None = None, argv_fn=None) -> list[Server]:
     """The engine's servers: the configured URLs, or `num_servers` launched here (not yet started).
 
-    argv_fn(port, base_gpu_id) -> argv overrides the `sglang.launch_server` command (tests use it
-    to start a protocol-conformance server instead).
+    argv_fn(port, base_gpu_id) -> argv overrides the whole command line (tests use it to give one
+    server of several a different flag).
     """
     if cfg.server_urls:
         return [Server(SGLangClient(u, api_key, cfg.request_timeout_s), cfg.tp_size) for u in cfg.server_urls]
@@ -101,7 +110,8 @@ def build_servers(cfg: SGLangConfig, model_path: str, api_key: str, seed: int = 
         if argv_fn is not None:
             argv = argv_fn(port, gpu)
         else:
-            argv = _sglang.server_argv(server_args(cfg, model_path, port, gpu, seed) + ["--api-key", api_key])
+            argv = _sglang.server_argv(server_args(cfg, model_path, port, gpu, seed) + ["--api-key", api_key],
+                                       cfg.server_command)
         log = log_dir / f"sglang_server_{i}.log" if log_dir else None
         proc = ManagedProcess(argv, launch_env(), log)
         client = SGLangClient(f"http://{cfg.host}:{port}", api_key, cfg.request_timeout_s)

@@ -19,12 +19,16 @@ class RolloutQuantSpec:
         weight_block_size: (rows, cols) of one weight scale block (blockwise only).
         scale_format: "fp32" | "ue8m0" (power-of-two block scales).
         high_precision: HF-name substrings of tensors that are never quantized.
+        unquantized_dtype: "" (as exported) | "bfloat16": dtype of every floating tensor that is not
+            quantized (norms, embeddings, biases, BF16 linears). SGLang servers hold those in BF16;
+            sending the trainer's FP32 main weights doubles the bytes and the server casts anyway.
     """
 
     rollout_quant: str = "bf16"
     weight_block_size: tuple[int, int] = (128, 128)
     scale_format: str = "fp32"
     high_precision: tuple[str, ...] = ("embed_tokens", "lm_head", "norm")
+    unquantized_dtype: str = ""
 
     @classmethod
     def from_config(cls, precision) -> "RolloutQuantSpec":
@@ -47,9 +51,10 @@ def quantize_for_rollout(named: Iterable[NamedTensor], spec: RolloutQuantSpec) -
     """
     from megatron_rl.fp8 import w8a8
 
+    wire = getattr(torch, spec.unquantized_dtype) if spec.unquantized_dtype else None
     for name, tensor in named:
         if not spec.quantizes(name, tensor):
-            yield name, tensor
+            yield name, (tensor.to(wire) if wire is not None and tensor.is_floating_point() else tensor)
             continue
         if spec.rollout_quant == "fp8_blockwise":
             q, scale_inv = w8a8.quantize_weight_blockwise(tensor, spec.weight_block_size, spec.scale_format)

@@ -65,6 +65,10 @@ class SGLangTensorTransport:
     """
 
     def __init__(self, engine, check: bool = False, gather=None):
+        if gather is None and any(s.tp_size > 1 for s in engine.servers):
+            raise ValueError("rollout.sglang.tp_size > 1 with the tensor transport: SGLang's TP rank r opens "
+                             "only payload r (managers/tp_worker.py deserialize_own_rank), a handle of memory on "
+                             "its own GPU; give the transport a gather over the server's GPUs (gloo_gather)")
         self.engine = engine
         self.gather = gather
         self.checked = _Checked(engine, check)
@@ -83,7 +87,7 @@ class SGLangTensorTransport:
         if self.gather is not None and payloads is None:
             return  # a non-sending rank of the gather group
         for server in self.engine.servers:
-            per_rank = payloads if payloads is not None else [payload] * server.tp_size
+            per_rank = payloads if payloads is not None else [payload]
             self.engine.broadcast("/update_weights_from_tensor", {
                 "serialized_named_tensors": per_rank, "load_format": LOAD_FORMAT,
                 "flush_cache": False, "weight_version": str(version)}, servers=[server])

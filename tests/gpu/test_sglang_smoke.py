@@ -1,6 +1,6 @@
 """Real SGLang on a GPU: launch, generate with log-probs, weight updates by each transport, memory release.
 
-Skipped without CUDA or without a full sglang install (the CPU tests use the conformance server).
+Skipped without CUDA or without a full sglang install (the CPU tests use the SGLang double, tests/doubles).
 """
 
 from __future__ import annotations

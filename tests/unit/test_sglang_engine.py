@@ -1,4 +1,4 @@
-"""SGLangEngine against protocol-conformance servers on loopback (schemas from the sglang package)."""
+"""SGLangEngine against SGLang server doubles on loopback (schemas from the sglang package)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PROMPTS = [[3, 17, 42, 5], [9, 9, 1], [60, 2, 33, 7, 11], [4], [80, 81], [5, 6, 
 
 @pytest.fixture(scope="module")
 def engine(qwen2_dir, tmp_path_factory):
-    """Two conformance servers; server 1 crashes inside its first /generate request."""
+    """Two server doubles; server 1 crashes inside its first /generate request."""
     marker = tmp_path_factory.mktemp("crash") / "died"
     eng = make_engine(qwen2_dir, num_servers=2, max_batch_per_request=2, requests_per_server=1,
                       extra_by_server={1: ["--die-on-generate-once", str(marker)]})
@@ -27,10 +27,11 @@ def engine(qwen2_dir, tmp_path_factory):
 
 
 def teacher_forced_logprobs(model_dir, rows: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-    """Independent reference: one HF forward over prompt + response, log_softmax at T = 1."""
+    """Independent reference: one HF forward over prompt + response, log_softmax at T = 1, with the
+    weights rounded to float16 (SGLang's --dtype auto serves a float32 checkpoint in float16)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16).float().eval()
     out = []
     for prompt, response in rows:
         with torch.no_grad():
@@ -74,7 +75,7 @@ def test_wrong_api_key_is_refused(engine):
     assert good.post("/continue_generation", {})["status"] == "ok"
 
 
-def test_conformance_server_refuses_fields_sglang_does_not_define(engine):
+def test_double_refuses_fields_sglang_does_not_define(engine):
     client = engine.servers[0].client
     with pytest.raises(SGLangHTTPError, match="unknown field"):
         client.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],

@@ -1,4 +1,7 @@
-"""SGLang tensor / NCCL transports and the flattened-bucket wire format, against conformance servers."""
+"""SGLang tensor / NCCL transports and the flattened-bucket wire format, against the SGLang double.
+
+The double starts from a block-FP8 checkpoint (tools/convert_hf_to_fp8.py, 32x32 blocks so the tiny
+model's q/k/v rows divide), as colocated and disaggregated servers must for FP8 updates to land."""
 
 from __future__ import annotations
 
@@ -50,9 +53,23 @@ def test_payload_pickle_uses_only_globals_sglang_unpickles():
     assert seen and set(seen) <= proto.unpickler_allowed_globals(), set(seen) - proto.unpickler_allowed_globals()
 
 
+BLOCK = (32, 32)
+SESSION = ["/pause_generation", "/flush_cache", "/begin_weight_update"]
+CLOSE = ["/end_weight_update", "/flush_cache", "/continue_generation"]
+
+
 @pytest.fixture(scope="module")
-def engine(qwen2_dir):
-    eng = make_engine(qwen2_dir, rollout_quant="fp8_blockwise", extra_by_server={0: ["--defer-copies"]})
+def fp8_dir(qwen2_dir, tmp_path_factory):
+    from megatron_rl.convert.hf_to_fp8 import convert_hf_to_fp8
+
+    out = tmp_path_factory.mktemp("qwen2_fp8")
+    convert_hf_to_fp8(qwen2_dir, out, block_size=BLOCK)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(fp8_dir):
+    eng = make_engine(fp8_dir, extra_by_server={0: ["--defer-copies"]})
     yield eng
     eng.shutdown()
 
@@ -64,16 +81,24 @@ def payload(model_dir, version: int) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(version)
     weights = load_file(str(model_dir / "model.safetensors"))
     moved = [(n, t + 0.01 * version * torch.randn(t.shape, generator=gen)) for n, t in sorted(weights.items())]
-    return list(quantize_for_rollout(moved, RolloutQuantSpec("fp8_blockwise")))
+    return list(quantize_for_rollout(moved, RolloutQuantSpec("fp8_blockwise", BLOCK)))
+
+
+def as_held(named) -> dict[str, str]:
+    """Digests of what the server should hold: FP8 weights and float32 scales as sent, the rest in
+    float16 (SGLang's --dtype auto for a float32 config)."""
+    keep = (torch.float8_e4m3fn,)
+    return {n: tensor_digest(t if t.dtype in keep or n.endswith("_scale_inv") else t.to(torch.float16))
+            for n, t in named}
 
 
 def held_digests(engine) -> dict[str, str]:
-    return engine.check_weights("checksum")[0]["ranks"][0]["checksums"]
+    return engine.servers[0].client.get("/_double/hf_digests")
 
 
 def requests_seen(engine) -> list[str]:
-    log = engine.servers[0].client.get("/_conformance/log")
-    return [p for p in log if p not in ("/health", "/weights_checker")]
+    log = engine.servers[0].client.get("/_double/log")
+    return [p for p in log if p not in ("/health", "/weights_checker", "/server_info") and not p.startswith("/_double")]
 
 
 def run_sync(transport, named, version: int, bucket_bytes: int = 16 * 1024) -> int:
@@ -93,11 +118,9 @@ def test_tensor_transport_delivers_exactly_what_was_sent(engine, qwen2_dir):
     before = len(requests_seen(engine))
     num_buckets = run_sync(transport, named, 1)
     assert num_buckets > 2
-    assert requests_seen(engine)[before:] == (["/pause_generation", "/flush_cache"]
-                                              + ["/update_weights_from_tensor"] * num_buckets
-                                              + ["/flush_cache", "/continue_generation"])
+    assert requests_seen(engine)[before:] == SESSION + ["/update_weights_from_tensor"] * num_buckets + CLOSE
     held = held_digests(engine)
-    assert {n: held[n] for n, _ in named} == {n: tensor_digest(t) for n, t in named}
+    assert {n: held[n] for n, _ in named} == as_held(named)
     assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
     assert engine.weight_version == 1
     sample = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
@@ -111,12 +134,13 @@ def test_reusing_the_ipc_buffer_corrupts_weights(engine, qwen2_dir):
     b = ("model.layers.1.input_layernorm.weight", named["model.layers.1.input_layernorm.weight"])
     assert not torch.equal(a[1], b[1])
     client = engine.servers[0].client
+    client.post("/begin_weight_update", {})
     flat, meta = flatten_bucket([a])
     client.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialize_flattened(flat, meta)],
                                                 "load_format": "flattened_bucket", "weight_version": "2"})
     flat.copy_(flatten_bucket([b])[0])  # the next bucket written into the same buffer
-    client.post("/flush_cache")
-    assert held_digests(engine)[a[0]] == tensor_digest(b[1]) != tensor_digest(a[1])
+    client.post("/end_weight_update", {})
+    assert held_digests(engine)[a[0]] == as_held([b])[b[0]] != as_held([a])[a[0]]
 
 
 def test_nccl_transport_broadcasts_flattened_buckets(engine, qwen2_dir):
@@ -128,11 +152,10 @@ def test_nccl_transport_broadcasts_flattened_buckets(engine, qwen2_dir):
         before = len(requests_seen(engine))
         num_buckets = run_sync(transport, named, version)
         init = ["/init_weights_update_group"] if version == 3 else []
-        assert requests_seen(engine)[before:] == (["/pause_generation", "/flush_cache"] + init
-                                                  + ["/update_weights_from_distributed"] * num_buckets
-                                                  + ["/flush_cache", "/continue_generation"])
+        assert requests_seen(engine)[before:] == (SESSION[:2] + init + SESSION[2:] + ["/update_weights_from_distributed"] * num_buckets
+                                                  + CLOSE)
         held = held_digests(engine)
-        assert {n: held[n] for n, _ in named} == {n: tensor_digest(t) for n, t in named}
+        assert {n: held[n] for n, _ in named} == as_held(named)
         assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
     assert engine.weight_version == 4
 
@@ -147,18 +170,18 @@ def test_disk_transport_to_sglang_loads_the_published_folder(engine, qwen2_dir, 
     assert requests_seen(engine)[before:] == ["/pause_generation", "/update_weights_from_disk",
                                               "/flush_cache", "/continue_generation"]
     held = held_digests(engine)
-    assert {n: held[n] for n, _ in named} == {n: tensor_digest(t) for n, t in named}
+    assert {n: held[n] for n, _ in named} == as_held(named)
     assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
     assert engine.weight_version == 5
 
 
-def test_fp8_kv_cache_refuses_an_update_without_fresh_kv_scales(monkeypatch):
+def test_fp8_kv_cache_refuses_an_update_without_fresh_kv_scales_only_when_asked(monkeypatch):
     from megatron_rl.rollout.sglang_config import SGLangConfig
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", "k")
-    cfg = SGLangConfig(server_urls=["http://127.0.0.1:9"], kv_cache_dtype="fp8_e4m3")
+    cfg = SGLangConfig(server_urls=["http://127.0.0.1:9"], kv_cache_dtype="fp8_e4m3", kv_scales="sent")
     eng = SGLangEngine(cfg, "unused", start=False)
-    eng.begin_update(1)
+    eng.begin_update(1, session=False)
     with pytest.raises(ValueError, match="k_scale/v_scale"):
         eng.finish_update(1)

@@ -1,0 +1,68 @@
+"""Start SGLangEngine on SGLang server doubles (subprocesses on loopback); test helper."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+import sglang_protocol
+
+DOUBLES = Path(__file__).resolve().parent
+
+SERVER_COMMAND = [sys.executable, str(DOUBLES / "sglang_server_double.py")]
+ROUTER_COMMAND = [sys.executable, str(DOUBLES / "sglang_router_double.py")]
+API_KEY = "test-key-7f3a"
+
+needs_sglang_source = pytest.mark.skipif(
+    sglang_protocol.sglang_root() is None,
+    reason="sglang not installed (make setup installs it with --no-deps)")
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports on 127.0.0.1."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port block")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def double_argv(cfg, model_dir: Path, extra_by_server: dict[int, list[str]] | None = None):
+    """argv_fn for SGLangEngine: the project's own server flags, plus extra_by_server[i] for server i."""
+    from megatron_rl.rollout.sglang_server import server_args
+
+    extra_by_server = extra_by_server or {}
+
+    def argv(port: int, base_gpu_id: int) -> list[str]:
+        index = base_gpu_id // cfg.tp_size
+        return [*SERVER_COMMAND, *server_args(cfg, str(model_dir), port, base_gpu_id, seed=index),
+                "--api-key", API_KEY, *extra_by_server.get(index, [])]
+
+    return argv
+
+
+def make_engine(model_dir: Path, num_servers: int = 1, extra_by_server=None, **cfg_kw):
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
+    cfg_kw.setdefault("base_port", free_port_block(num_servers))
+    cfg = SGLangConfig(num_servers=num_servers, startup_timeout_s=120.0, request_timeout_s=120.0,
+                       server_command=SERVER_COMMAND, router_command=ROUTER_COMMAND, **cfg_kw)
+    argv_fn = double_argv(cfg, model_dir, extra_by_server) if extra_by_server else None
+    return SGLangEngine(cfg, model_dir, argv_fn=argv_fn)

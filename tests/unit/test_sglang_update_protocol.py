@@ -1,0 +1,137 @@
+"""SGLangEngine speaks SGLang 0.5.23's update protocol: version check, server settings, flush retry,
+FP8 KV with unit scales, the whole rollout.sglang section on every launched server and router."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_testing import API_KEY, SERVER_COMMAND, free_port_block
+
+from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError
+from megatron_rl.rollout.sglang_config import SGLangConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def start_double(model_dir, *flags):
+    port = free_port_block(1)
+    proc = subprocess.Popen([*SERVER_COMMAND, "--model-path", str(model_dir), "--port", str(port),
+                             "--api-key", API_KEY, *flags])
+    client = SGLangClient(f"http://127.0.0.1:{port}", API_KEY, timeout_s=60)
+    deadline = time.monotonic() + 60
+    while not client.healthy("/health"):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    return proc, client.url
+
+
+@pytest.fixture(scope="module")
+def fp8_kv_server(qwen2_dir):
+    proc, url = start_double(qwen2_dir, "--kv-cache-dtype", "fp8_e4m3", "--health-generate-s", "1.5")
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+def attach(url, **kw):
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    return SGLangEngine(SGLangConfig(server_urls=[url], request_timeout_s=60, **kw), "unused")
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
+
+
+def test_untested_sglang_version_is_refused_by_name(fp8_kv_server, monkeypatch):
+    from megatron_rl.rollout import sglang_engine
+
+    # The double reports 0.5.23; an engine tested only against 0.5.30 must refuse it by name.
+    monkeypatch.setattr(sglang_engine, "SUPPORTED_VERSIONS", ("0.5.30",))
+    with pytest.raises(RuntimeError, match=r"SGLang 0.5.23 at http://127.0.0.1:\d+ is not supported.*0.5.30"):
+        attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3")
+
+
+def test_server_started_with_other_settings_is_refused(fp8_kv_server):
+    with pytest.raises(RuntimeError, match="kv_cache_dtype='fp8_e4m3' but rollout.sglang.kv_cache_dtype='auto'"):
+        attach(fp8_kv_server)
+
+
+def test_fp8_kv_cache_syncs_with_unit_scales_by_default(fp8_kv_server, qwen2_dir, caplog):
+    from safetensors.torch import load_file
+
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.sync.sglang_transport import SGLangTensorTransport
+
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.sglang"):
+        engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3")
+    assert "unit k/v scales" in caplog.text
+    transport = SGLangTensorTransport(engine)
+    transport.begin(1)
+    transport.send(sorted(load_file(str(qwen2_dir / "model.safetensors")).items()), 1)
+    transport.finish(1)  # no k_scale / v_scale sent: SGLang keeps 1.0, as slime and miles run it
+    assert engine.weight_version == 1
+    sample = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0]
+    assert len(sample.response_ids) == 2
+
+
+def test_flush_is_retried_while_a_health_probe_holds_the_server(fp8_kv_server):
+    engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3")
+    client = engine.servers[0].client
+    probe = threading.Thread(target=client.healthy, args=("/health_generate", 10.0))
+    probe.start()
+    time.sleep(0.3)
+    engine.flush_cache(retry_s=0.5)  # refused (400) at first; passes once the probe is done
+    probe.join()
+    probe = threading.Thread(target=client.healthy, args=("/health_generate", 10.0))
+    probe.start()
+    time.sleep(0.3)
+    engine.cfg.flush_retries = 1
+    with pytest.raises(SGLangHTTPError, match="pending requests"):
+        engine.flush_cache()
+    probe.join()
+
+
+def test_disaggregated_servers_get_the_whole_sglang_section():
+    from megatron_rl.launch import Plan, rollout_argvs
+
+    sg = SGLangConfig(kv_cache_dtype="fp8_e4m3", mem_fraction_static=0.55, quantization="fp8",
+                      extra_args=["--context-length", "20480"], server_command=["/opt/sgl/bin/python", "-m", "sglang.launch_server"],
+                      router_command=["/opt/sgl/bin/sglang-router"], request_timeout_s=7200)
+    plan = Plan(layout="disaggregated", nodes=["r0", "t0"], gpus_per_node=2, tp_size=2,
+                trainer_nodes=["t0"], rollout_nodes=["r0"], server_urls={"r0": ["http://r0:30000"]})
+    server, router = rollout_argvs(plan, "r0", "/ckpt", "KEY", sg)
+    assert server[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    pairs = dict(zip(server[3::2], server[4::2]))
+    assert pairs["--kv-cache-dtype"] == "fp8_e4m3" and pairs["--mem-fraction-static"] == "0.55"
+    assert pairs["--quantization"] == "fp8" and pairs["--tp-size"] == "2" and pairs["--host"] == "r0"
+    assert server[server.index("--context-length") + 1] == "20480"
+    assert router[0] == "/opt/sgl/bin/sglang-router"
+    assert router[router.index("--api-key") + 1] == "KEY"
+    assert float(router[router.index("--request-timeout-secs") + 1]) >= 7200
+
+
+def test_declared_sglang_pin_is_the_tested_version():
+    import re
+    from pathlib import Path
+
+    from megatron_rl.rollout.sglang_engine import SUPPORTED_VERSIONS
+
+    root = Path(__file__).resolve().parents[2]
+    setup_pins = re.findall(r'"sglang([=<>!~]=?[^"]*)"', (root / "setup.py").read_text())
+    make_pins = re.findall(r'"sglang([=<>!~]=?[^"]*)"', (root / "Makefile").read_text())
+    assert setup_pins == [f"=={v}" for v in SUPPORTED_VERSIONS] and make_pins == setup_pins
+
+
+def test_deterministic_inference_flag_reaches_the_server():
+    from megatron_rl.rollout.sglang_server import server_args
+
+    assert "--enable-deterministic-inference" not in server_args(SGLangConfig(), "/m", 1, 0, 0)
+    assert "--enable-deterministic-inference" in server_args(SGLangConfig(deterministic_inference=True), "/m", 1, 0, 0)
