@@ -13,6 +13,7 @@ EPILOG = """examples:
   megatron-rl train examples/tiny/bf16.yaml train.num_steps=10 log.dir=runs/bf16
   megatron-rl train examples/tiny/fp8_calibrated.yaml --resume
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
+  megatron-rl launch --dry-run examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpus-per-node 8
 """
 
 
@@ -27,10 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.num_steps=10")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
+    sub.add_parser("launch", add_help=False,
+                   help="placement plan of a Slurm job (--dry-run) or this host's part of it (slurm/)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # its own parser: megatron_rl.launch.build_parser
+        from megatron_rl import launch
+        return launch.main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
