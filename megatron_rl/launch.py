@@ -76,8 +76,26 @@ def _gpus_on_node(env: dict[str, str]) -> int:
     return int(value.rpartition(":")[2]) if value else 0  # "h100:8" -> 8
 
 
-def placement_from_env(cfg: RunConfig, env: dict[str, str] | None = None) -> Placement:
-    return placement_for_config(cfg, *world_from_env(dict(os.environ) if env is None else env))
+def placement_for_run(cfg: RunConfig, world_size: int, env: dict[str, str] | None = None) -> Placement:
+    """The plan a trainer rank executes: the one `--role train` resolved and exported (MEGATRON_RL_HOSTS,
+    MEGATRON_RL_GPUS_PER_NODE, MEGATRON_RL_ROLLOUT_NODES), else one host with every rank on it."""
+    env = dict(os.environ) if env is None else env
+    if env.get("MEGATRON_RL_HOSTS"):
+        plan = placement_for_config(cfg, env["MEGATRON_RL_HOSTS"].split(","), int(env["MEGATRON_RL_GPUS_PER_NODE"]),
+                                    int(env.get("MEGATRON_RL_ROLLOUT_NODES") or 0))
+    else:
+        plan = placement_for_config(cfg, [cfg.rollout.sglang.host], world_size)
+    if plan.world_size != world_size:
+        raise ValueError(f"the placement plan has {plan.world_size} trainer ranks but torch.distributed "
+                         f"started {world_size}")
+    return plan
+
+
+def plan_env(plan: Placement) -> dict[str, str]:
+    """What a trainer rank needs to recompute `plan` (placement_for_run)."""
+    rollout = len(plan.server_hosts) if plan.layout == "disaggregated" else 0
+    return {"MEGATRON_RL_HOSTS": ",".join(h.host for h in plan.hosts),
+            "MEGATRON_RL_GPUS_PER_NODE": str(plan.gpus_per_node), "MEGATRON_RL_ROLLOUT_NODES": str(rollout)}
 
 
 def this_host(plan: Placement, env: dict[str, str]) -> str:
@@ -161,10 +179,10 @@ def _stop_flag() -> list[int]:
     return flag
 
 
-def run_trainer(argv: list[str]) -> int:
+def run_trainer(argv: list[str], env: dict[str, str]) -> int:
     """torchrun as a child in its own session, so a SIGTERM to this task ends it and its ranks
     (torchrun forwards the signal to the ranks) before we exit with its status."""
-    proc = subprocess.Popen(argv, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: proc.send_signal(signal.SIGTERM))
     try:
@@ -206,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(env.get("MEGATRON_RL_LOG_DIR") or Path(cfg.log.dir) / "sglang")
         return serve(serve_argvs(plan, host, cfg, model, cfg.rollout.sglang.api_key()), log_dir, host)
     port = int(env.get("MEGATRON_RL_MASTER_PORT", "29500"))
-    return run_trainer(trainer_argv(plan, host, args.config, args.overrides, port))
+    return run_trainer(trainer_argv(plan, host, args.config, args.overrides, port), {**env, **plan_env(plan)})
 
 
 if __name__ == "__main__":

@@ -90,3 +90,22 @@ def test_json_keys_are_the_documented_ones():
     d = json.loads(plan_placement(["a"], 1, layout="colocated").to_json())
     assert list(d) == ["layout", "hosts", "transport_owners", "world_size"]
     assert list(d["hosts"][0]) == ["host", "trainer_ranks", "servers", "router"]
+
+
+def test_each_rank_gets_the_sglang_settings_of_its_role():
+    from megatron_rl.build import sglang_config_for
+    from megatron_rl.config import load_config
+    from megatron_rl.placement import placement_for_config
+
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.base_port=32000"])
+    p = placement_for_config(cfg, ["a", "b"], 2)  # colocated, DP 4: owners 0 and 2
+    owner_b = sglang_config_for(cfg, p, 2)
+    assert (owner_b.host, owner_b.base_port, owner_b.num_servers, owner_b.server_urls) == ("b", 32000, 2, [])
+    client_b = sglang_config_for(cfg, p, 3)
+    assert client_b.server_urls == ["http://b:32000", "http://b:32001"] and client_b.router_url == ""
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
+                             "rollout.sglang.weight_transport=nccl"])
+    p = placement_for_config(cfg, ["r", "t"], 2, rollout_nodes=1)
+    owner = sglang_config_for(cfg, p, 0)
+    assert owner.server_urls == ["http://r:30000", "http://r:30001"] and owner.router_url == "http://r:30999"
+    assert owner.nccl_master_addr == "t" and sglang_config_for(cfg, p, 1).server_urls == owner.server_urls
