@@ -180,12 +180,16 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
     """(engine, transport, placement) of this rank. Owners build first (colocated: they start their
     host's servers); every rank then waits at a barrier, so clients attach to servers that are up."""
     placement = placement_for_run(cfg, parallel.world_size)
+    host, node = placement.host_of(parallel.rank).host, os.environ.get("SLURMD_NODENAME")
+    if node and os.environ.get("MEGATRON_RL_HOSTS") and node != host:  # a plan from megatron_rl.launch
+        raise ValueError(f"rank {parallel.rank} runs on node {node} but the placement plan puts it on {host} "
+                         "(torchrun's --node-rank must follow the plan's host order)")
     role = placement.rollout_role(parallel.rank)
     engine, transport = build_engine(cfg, model_dir, placement, parallel.rank) if role == "owner" else (None, None)
     collectives.barrier(None)  # world: owners' servers are healthy (may take minutes on a GPU)
     if role == "client":
         engine, transport = build_sglang(cfg, model_dir, placement, parallel.rank)
-    log.info("placement %s", json.dumps({"rank": parallel.rank, "host": placement.host_of(parallel.rank).host,
+    log.info("placement %s", json.dumps({"rank": parallel.rank, "host": host, "pid": os.getpid(),
                                          "local_rank": placement.local_rank(parallel.rank), "role": role,
                                          "owned_servers": placement.owned_servers(parallel.rank),
                                          "servers": placement.servers_for(parallel.rank)

@@ -143,8 +143,8 @@ def serve(argvs: list[list[str]], log_dir: Path, host: str) -> int:
     """
     from megatron_rl.rollout.sglang_server import ManagedProcess, launch_env
 
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs = [ManagedProcess(a, launch_env(), log_dir / f"{host}-{_name(a, i)}.log") for i, a in enumerate(argvs)]
+    (log_dir / host).mkdir(parents=True, exist_ok=True)  # one folder per host, as the colocated owners
+    procs = [ManagedProcess(a, launch_env(), log_dir / host / f"{_name(a, i)}.log") for i, a in enumerate(argvs)]
     stop = _stop_flag()
     restarts = [0] * len(procs)
     for p in procs:
