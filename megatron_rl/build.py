@@ -166,7 +166,8 @@ def build_sglang(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
     if sg.weight_transport == "tensor":
         return engine, SGLangTensorTransport(engine, check=cfg.sync.check)
     if sg.weight_transport == "nccl":
-        return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port,
+        backend = "nccl" if torch.cuda.is_available() else "gloo"  # CPU: the servers' doubles join over gloo
+        return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port, backend=backend,
                                            check=cfg.sync.check)
     return engine, DiskTransport(engine, sg.disk_dir or Path(cfg.log.dir) / "weights", template_dir=model_dir)
 

@@ -32,9 +32,6 @@ from pathlib import Path
 from megatron_rl.config import RunConfig, load_config
 from megatron_rl.placement import Placement, placement_for_config
 
-RESTARTS_PER_SERVER = 3  # a serve step whose server dies more often fails the job
-
-
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm hostlist syntax -> host names: "gpu[01-03,07],login1" -> gpu01 gpu02 gpu03 gpu07 login1."""
     hosts: list[str] = []
@@ -137,29 +134,24 @@ def serve_argvs(plan: Placement, host: str, cfg: RunConfig, model: str, api_key:
 def serve(argvs: list[list[str]], log_dir: Path, host: str) -> int:
     """Run this host's servers until SIGTERM (the job script stops the step when the trainer ends).
 
-    A server that dies is restarted with the same command line (its weights are the checkpoint's
-    until the owner's next full update); one that dies more than RESTARTS_PER_SERVER times ends the
-    step with status 1, and the job script then stops the trainer.
+    A server or router that exits ends the step with status 1 and the job script then stops the
+    trainer: a restarted server would hold the checkpoint's weights and would not be a member of the
+    owner's NCCL weight group, so the next update could not reach it. Resume from the last checkpoint.
     """
     from megatron_rl.rollout.sglang_server import ManagedProcess, launch_env
 
     (log_dir / host).mkdir(parents=True, exist_ok=True)  # one folder per host, as the colocated owners
     procs = [ManagedProcess(a, launch_env(), log_dir / host / f"{_name(a, i)}.log") for i, a in enumerate(argvs)]
     stop = _stop_flag()
-    restarts = [0] * len(procs)
     for p in procs:
         p.start()
     try:
         while not stop:
             time.sleep(0.5)
-            for i, p in enumerate(procs):
-                if p.alive() or stop:
-                    continue
-                restarts[i] += 1
-                if restarts[i] > RESTARTS_PER_SERVER:
-                    print(f"{host}: {p.argv[2]} on {_name(p.argv, i)} died {restarts[i]} times", file=sys.stderr)
-                    return 1
-                p.start()
+            dead = [_name(p.argv, i) for i, p in enumerate(procs) if not p.alive()]
+            if dead and not stop:
+                print(f"{host}: {dead[0]} exited (see {log_dir / host}); ending the serve step", file=sys.stderr)
+                return 1
         return 0
     finally:
         for p in procs:
