@@ -131,6 +131,14 @@ def serve_argvs(plan: Placement, host: str, cfg: RunConfig, model: str, api_key:
     return argvs
 
 
+def serve_model(cfg: RunConfig, env: dict[str, str]) -> str:
+    """The checkpoint disaggregated servers load: MEGATRON_RL_MODEL, else model.hf_dir."""
+    model = env.get("MEGATRON_RL_MODEL") or cfg.model.hf_dir
+    if not model:
+        raise ValueError("disaggregated servers need a checkpoint: set MEGATRON_RL_MODEL or model.hf_dir")
+    return model
+
+
 def serve(argvs: list[list[str]], log_dir: Path, host: str) -> int:
     """Run this host's servers until SIGTERM (the job script stops the step when the trainer ends).
 
@@ -204,17 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan = placement_for_config(cfg, *world_from_env(env, args.nodes, args.gpus_per_node, args.rollout_nodes))
+        host = this_host(plan, env) if args.role and not args.dry_run else ""
+        if args.role == "serve" and not args.dry_run:
+            argvs = serve_argvs(plan, host, cfg, serve_model(cfg, env), cfg.rollout.sglang.api_key())
     except ValueError as err:
         print(f"megatron-rl launch: error: {err}", file=sys.stderr)
         return 2
-    if args.dry_run or args.role is None:
+    if not host:
         print(plan.to_json())
         return 0
-    host = this_host(plan, env)
     if args.role == "serve":
-        model = env.get("MEGATRON_RL_MODEL") or cfg.model.hf_dir
-        log_dir = Path(env.get("MEGATRON_RL_LOG_DIR") or Path(cfg.log.dir) / "sglang")
-        return serve(serve_argvs(plan, host, cfg, model, cfg.rollout.sglang.api_key()), log_dir, host)
+        return serve(argvs, Path(env.get("MEGATRON_RL_LOG_DIR") or Path(cfg.log.dir) / "sglang"), host)
     port = int(env.get("MEGATRON_RL_MASTER_PORT", "29500"))
     return run_trainer(trainer_argv(plan, host, args.config, args.overrides, port), {**env, **plan_env(plan)})
 

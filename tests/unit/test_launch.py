@@ -106,3 +106,26 @@ def test_every_server_flag_is_a_sglang_server_arg():
     known = sglang_protocol.server_arg_names()
     assert {"--quantization", "--kv-cache-dtype", "--api-key", "--host", "--enable-memory-saver"} <= set(flags)
     assert [f for f in flags if f[2:].replace("-", "_") not in known] == []
+
+
+def test_serve_step_ends_when_a_server_exits_and_stops_the_others(tmp_path):
+    import signal
+    import time
+
+    from megatron_rl.launch import serve
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    survivor = tmp_path / "survivor.pid"
+    argvs = [[sys.executable, "-c", f"import os, time; open({str(survivor)!r}, 'w').write(str(os.getpid())); "
+                                    "time.sleep(120)", "--port", "1"],
+             [sys.executable, "-c", "import time; time.sleep(1.5)", "--port", "2"]]  # dies early
+    try:
+        start = time.monotonic()
+        assert serve(argvs, tmp_path / "logs", "h1") == 1
+        assert time.monotonic() - start < 60
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    pid = int(survivor.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert sorted(p.name for p in (tmp_path / "logs" / "h1").iterdir()) == ["server-1.log", "server-2.log"]
