@@ -69,7 +69,11 @@ class Job:
         return self.proc.returncode
 
     def reaped(self) -> str:
-        return self.reaped_file.read_text() if self.reaped_file.exists() else ""
+        """What the fake slurmstepd had to kill, without torch's shared-memory daemon
+        (torch_shm_manager, used by CPU tensor payloads): it exits by itself once its last client
+        has, which can be a moment after the step ended."""
+        text = self.reaped_file.read_text() if self.reaped_file.exists() else ""
+        return "".join(line for line in text.splitlines(keepends=True) if "torch_shm_manager" not in line)
 
     def leftovers(self) -> list[int]:
         """Our processes that carry this job's marker in their environment."""
