@@ -9,10 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
-from _job import Job, check_against_plan  # noqa: E402
+from _job import ROOT, Job, check_against_plan  # noqa: E402
+
+HAVE_DOUBLES = (ROOT / "tests" / "doubles" / "sglang_server_double.py").exists()
 
 
+@pytest.mark.skipif(HAVE_DOUBLES, reason="test_slurm_sglang.py runs the same job with servers (CI time)")
 def test_colocated_job_runs_three_steps_and_ends(tmp_path):
     job = Job(tmp_path, "colocated.sbatch")
     assert job.wait() == 0, job.output
