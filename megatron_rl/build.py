@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 
 from megatron_rl import collectives
 from megatron_rl.config import RunConfig, save_config
+from megatron_rl.launch import placement_for_run
+from megatron_rl.placement import Placement
 
 log = logging.getLogger("megatron_rl.build")
 
@@ -123,10 +126,10 @@ def build_rewards(cfg: RunConfig):
     return RewardRunner(get_reward_fn(name), timeout_s=cfg.reward.timeout_s)
 
 
-def build_engine(cfg: RunConfig, model_dir: Path):
-    """The rollout engine and the transport that feeds it (engine rank only)."""
+def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = None, rank: int = 0):
+    """The rollout engine and the transport that feeds it (the owner rank of `placement` only)."""
     if cfg.rollout.engine == "sglang":
-        return build_sglang(cfg, model_dir)
+        return build_sglang(cfg, model_dir, placement, rank)
     from megatron_rl.rollout.torch_engine import TorchRolloutEngine
     from megatron_rl.sync.transport import InProcessTransport
 
@@ -137,7 +140,22 @@ def build_engine(cfg: RunConfig, model_dir: Path):
     return engine, InProcessTransport(engine)
 
 
-def build_sglang(cfg: RunConfig, model_dir: Path):
+def sglang_config_for(cfg: RunConfig, placement: Placement | None, rank: int):
+    """rollout.sglang as `placement` gives it to `rank`: the owner of colocated servers launches its
+    host's slots (base GPU ids 0, tp, 2 tp, ... from the node-local GPU 0); everyone else attaches."""
+    sg = cfg.rollout.sglang
+    if placement is None:
+        return sg
+    host = placement.host_of(rank)
+    if placement.starts_servers(rank):
+        return replace(sg, host=host.host, base_port=host.servers[0].port, num_servers=len(host.servers),
+                       server_urls=[], launch_router=False)
+    router = placement.router_url if placement.layout == "disaggregated" else ""
+    return replace(sg, server_urls=placement.servers_for(rank), router_url=router, launch_router=False,
+                   nccl_master_addr=placement.master_addr if placement.layout == "disaggregated" else sg.nccl_master_addr)
+
+
+def build_sglang(cfg: RunConfig, model_dir: Path, placement: Placement | None = None, rank: int = 0):
     """SGLang servers (launched or attached) and the configured weight transport.
 
     Colocated servers with TP > 1 need every rank of a server's GPU group to gather its payload
@@ -148,20 +166,57 @@ def build_sglang(cfg: RunConfig, model_dir: Path):
     from megatron_rl.sync.disk_transport import DiskTransport
     from megatron_rl.sync.sglang_transport import SGLangNcclTransport, SGLangTensorTransport
 
-    sg = cfg.rollout.sglang
+    sg = sglang_config_for(cfg, placement, rank)
+    spec = rollout_quant_spec(cfg)
     if sg.mode == "colocated" and torch.cuda.is_available():  # the servers share this GPU's architecture
         major, minor = torch.cuda.get_device_capability()
-        check_scale_format(rollout_quant_spec(cfg), 10 * major + minor)
-    check_block_alignment(model_dir, rollout_quant_spec(cfg))
+        check_scale_format(spec, 10 * major + minor)
+    check_block_alignment(model_dir, spec)
+    host = placement.host_of(rank).host if placement is not None else sg.host
+    log_root = Path(os.environ.get("MEGATRON_RL_LOG_DIR") or Path(cfg.log.dir) / "sglang")
     engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed,
-                          log_dir=Path(cfg.log.dir) / "sglang")
+                          log_dir=_mkdir(log_root / host))
+    if placement is not None and not placement.is_owner(rank):
+        return engine, None  # a client: samples through servers another rank pauses and updates
     if sg.weight_transport == "tensor":
         return engine, SGLangTensorTransport(engine, check=cfg.sync.check)
-    if sg.weight_transport == "nccl":  # gloo on a CPU-only trainer (the servers then need gloo too)
+    if sg.weight_transport == "nccl":  # gloo on a CPU-only trainer (the servers' doubles join over gloo)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port, backend=backend,
                                            check=cfg.sync.check)
     return engine, DiskTransport(engine, sg.disk_dir or Path(cfg.log.dir) / "weights", template_dir=model_dir)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)  # one folder per host: server logs never collide
+    return path
+
+
+def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
+    """(engine, transport, placement) of this rank. Owners build first (colocated: they start their
+    host's servers); every rank then waits at a barrier, so clients attach to servers that are up."""
+    placement = placement_for_run(cfg, parallel.world_size)
+    host, node = placement.host_of(parallel.rank).host, os.environ.get("SLURMD_NODENAME")
+    if node and os.environ.get("MEGATRON_RL_HOSTS") and node != host:  # a plan from megatron_rl.launch
+        raise ValueError(f"rank {parallel.rank} runs on node {node} but the placement plan puts it on {host} "
+                         "(torchrun's --node-rank must follow the plan's host order)")
+    role = placement.rollout_role(parallel.rank)
+    if cfg.rollout.engine == "sglang":  # one conversion to the FP8 rollout checkpoint, before any owner reads it
+        from megatron_rl.rollout.sglang_checkpoint import rollout_checkpoint
+
+        if parallel.rank == 0:
+            rollout_checkpoint(cfg, model_dir)
+        collectives.barrier(None)
+    engine, transport = build_engine(cfg, model_dir, placement, parallel.rank) if role == "owner" else (None, None)
+    collectives.barrier(None)  # world: owners' servers are healthy (may take minutes on a GPU)
+    if role == "client":
+        engine, transport = build_sglang(cfg, model_dir, placement, parallel.rank)
+    log.info("placement %s", json.dumps({"rank": parallel.rank, "host": host, "pid": os.getpid(),
+                                         "local_rank": placement.local_rank(parallel.rank), "role": role,
+                                         "owned_servers": placement.owned_servers(parallel.rank),
+                                         "servers": placement.servers_for(parallel.rank)
+                                         if role and placement.layout != "embedded" else []}))
+    return engine, transport, placement
 
 
 def build_controller(cfg: RunConfig):
@@ -238,12 +293,12 @@ def build_run(cfg: RunConfig) -> Run:
     t = cfg.train
     with megatron_quiet():
         actor = build_actor(cfg, settings, parallel, model_dir)
-    # Every rank, in the same order, before the engine rank goes off to start servers (minutes).
+    # Every rank, in the same order, before the owners go off to start servers (minutes).
     host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks)
-    is_engine = parallel.tp_rank == 0 and parallel.pp_rank == 0
-    engine, transport = build_engine(cfg, model_dir) if is_engine else (None, None)
+    engine, transport, placement = build_rollout(cfg, model_dir, parallel)
+    clients = any(placement.rollout_role(r) == "client" for r in range(parallel.world_size))
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
-                      bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check)
+                      bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0

@@ -14,6 +14,7 @@ EPILOG = """examples:
   megatron-rl train examples/tiny/fp8_calibrated.yaml --resume
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
   megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpu-mem-gb 80
+  megatron-rl launch --dry-run examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpus-per-node 8
 """
 
 
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.num_steps=10")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
     _add_plan_parser(sub)
+    sub.add_parser("launch", add_help=False,
+                   help="placement plan of a Slurm job (--dry-run) or this host's part of it (slurm/)")
     return parser
 
 
@@ -47,6 +50,10 @@ def _add_plan_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # its own parser: megatron_rl.launch.build_parser
+        from megatron_rl import launch
+        return launch.main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")

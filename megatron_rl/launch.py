@@ -1,30 +1,36 @@
-"""Multi-node launcher: Slurm's environment -> trainer ranks (torchrun) and SGLang rollout servers.
+"""Multi-node launch: Slurm's environment -> the placement plan -> this host's trainer ranks or servers.
 
-One `srun --ntasks-per-node=1 python -m megatron_rl.launch CONFIG [key=value ...]` per job. Every
-node computes the same plan from SLURM_JOB_NODELIST and takes its own part:
+The sbatch scripts (slurm/) run two kinds of srun steps, one task per host each:
 
-- colocated: every node is a trainer node and also runs gpus_per_node / tp_size SGLang servers on
-  its own GPUs (memory released while training), bound to the node's cluster address;
-- disaggregated: the first `rollout_nodes` nodes run SGLang servers (and, on the first of them,
-  sglang-router); the other nodes run the trainer (torchrun, NCCL), whose rank 0 broadcasts weights.
+    python -m megatron_rl.launch --role serve CONFIG [overrides]   # disaggregated rollout hosts
+    python -m megatron_rl.launch --role train CONFIG [overrides]   # trainer hosts: torchrun
 
-Settings come from the environment (the sbatch scripts set them):
-MEGATRON_RL_LAYOUT (colocated | disaggregated), MEGATRON_RL_ROLLOUT_NODES, MEGATRON_RL_SGLANG_TP,
-MEGATRON_RL_GPUS_PER_NODE (default SLURM_GPUS_ON_NODE or 8), MEGATRON_RL_MASTER_PORT (29500),
-MEGATRON_RL_SGLANG_PORT (30000), MEGATRON_RL_ROUTER_PORT (30999), MEGATRON_RL_MODEL (checkpoint the
-servers load). The API key is read by the servers and the trainer from MEGATRON_RL_SGLANG_API_KEY.
+and `megatron-rl launch --dry-run CONFIG [overrides] [--nodes N --gpus-per-node G]` prints the plan
+both compute (megatron_rl.placement). The trainer ranks recompute the same plan from the same
+environment in build.py, so the plan printed is the plan executed.
+
+World settings, from the environment or the flags: SLURM_JOB_NODELIST (hosts; the step's own
+SLURM_STEP_NODELIST is never used: every step must see the whole job), SLURMD_NODENAME (this host),
+MEGATRON_RL_GPUS_PER_NODE (else SLURM_GPUS_ON_NODE, else 8), MEGATRON_RL_ROLLOUT_NODES
+(disaggregated: the first N hosts serve), MEGATRON_RL_MASTER_PORT (29500), MEGATRON_RL_MODEL (the
+checkpoint disaggregated servers load; default model.hf_dir). The servers' API key is read from the
+variable named by rollout.sglang.api_key_env.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import replace
+from pathlib import Path
 
-LAYOUTS = ("colocated", "disaggregated")
-
+from megatron_rl.config import RunConfig, load_config
+from megatron_rl.placement import Placement, placement_for_config
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm hostlist syntax -> host names: "gpu[01-03,07],login1" -> gpu01 gpu02 gpu03 gpu07 login1."""
@@ -48,116 +54,185 @@ def _expand_one(pattern: str) -> list[str]:
     return out
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What every node of the job does. Server URLs are http://host:port."""
-
-    layout: str
-    nodes: list[str]
-    gpus_per_node: int
-    tp_size: int
-    trainer_nodes: list[str]
-    rollout_nodes: list[str]
-    master_port: int = 29500
-    server_port: int = 30000
-    router_port: int = 30999
-    server_urls: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def master_addr(self) -> str:
-        return self.trainer_nodes[0]
-
-    @property
-    def router_url(self) -> str:
-        return f"http://{self.rollout_nodes[0]}:{self.router_port}" if self.layout == "disaggregated" else ""
-
-    def servers_of(self, node: str) -> list[str]:
-        return self.server_urls.get(node, [])
-
-
-def make_plan(nodes: list[str], layout: str, gpus_per_node: int, tp_size: int, rollout_nodes: int = 0,
-              master_port: int = 29500, server_port: int = 30000, router_port: int = 30999) -> Plan:
-    """Assign nodes to trainer / rollout and servers to GPUs; ValueError naming the bad setting."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"MEGATRON_RL_LAYOUT={layout!r} is not one of {list(LAYOUTS)}")
-    if tp_size < 1 or gpus_per_node % tp_size:
-        raise ValueError(f"MEGATRON_RL_SGLANG_TP={tp_size} must divide the {gpus_per_node} GPUs per node")
-    if layout == "colocated":
-        trainer, rollout = list(nodes), list(nodes)
+def world_from_env(env: dict[str, str], nodes: int | None = None, gpus_per_node: int | None = None,
+                   rollout_nodes: int | None = None) -> tuple[list[str], int, int]:
+    """(hosts, GPUs per host, rollout hosts): flags first, then Slurm's and the scripts' variables."""
+    if "SLURM_JOB_NODELIST" in env:
+        hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+        if nodes is not None and nodes != len(hosts):
+            raise ValueError(f"--nodes {nodes} but SLURM_JOB_NODELIST has {len(hosts)} hosts")
     else:
-        if not 0 < rollout_nodes < len(nodes):
-            raise ValueError(f"MEGATRON_RL_ROLLOUT_NODES={rollout_nodes}: disaggregated needs between 1 and "
-                             f"{len(nodes) - 1} rollout nodes out of {len(nodes)}")
-        rollout, trainer = list(nodes[:rollout_nodes]), list(nodes[rollout_nodes:])
-    per_node = gpus_per_node // tp_size
-    urls = {n: [f"http://{n}:{server_port + i}" for i in range(per_node)] for n in rollout}
-    return Plan(layout, list(nodes), gpus_per_node, tp_size, trainer, rollout, master_port, server_port,
-                router_port, urls)
+        hosts = [f"node{i}" for i in range(nodes or 1)]
+    gpus = gpus_per_node or int(env.get("MEGATRON_RL_GPUS_PER_NODE") or _gpus_on_node(env) or 8)
+    rollout = rollout_nodes if rollout_nodes is not None else int(env.get("MEGATRON_RL_ROLLOUT_NODES") or 0)
+    return hosts, gpus, rollout
 
 
-def plan_from_env(env: dict[str, str]) -> Plan:
-    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-    gpus = int(env.get("MEGATRON_RL_GPUS_PER_NODE") or env.get("SLURM_GPUS_ON_NODE") or 8)
-    return make_plan(nodes, env.get("MEGATRON_RL_LAYOUT", "colocated"), gpus,
-                     int(env.get("MEGATRON_RL_SGLANG_TP", "1")), int(env.get("MEGATRON_RL_ROLLOUT_NODES", "0")),
-                     int(env.get("MEGATRON_RL_MASTER_PORT", "29500")), int(env.get("MEGATRON_RL_SGLANG_PORT", "30000")),
-                     int(env.get("MEGATRON_RL_ROUTER_PORT", "30999")))
+def _gpus_on_node(env: dict[str, str]) -> int:
+    value = env.get("SLURM_GPUS_ON_NODE") or env.get("SLURM_GPUS_PER_NODE", "")
+    return int(value.rpartition(":")[2]) if value else 0  # "h100:8" -> 8
 
 
-def trainer_argv(plan: Plan, node: str, config: str, overrides: list[str]) -> list[str]:
-    """torchrun for this trainer node, with the rollout settings the plan decided as overrides."""
-    node_rank = plan.trainer_nodes.index(node)
-    sglang = [f"rollout.sglang.mode={plan.layout}", f"rollout.sglang.tp_size={plan.tp_size}"]
-    if plan.layout == "colocated":
-        sglang += [f"rollout.sglang.host={node}", f"rollout.sglang.base_port={plan.server_port}",
-                   f"rollout.sglang.num_servers={plan.gpus_per_node // plan.tp_size}"]
+def placement_for_run(cfg: RunConfig, world_size: int, env: dict[str, str] | None = None) -> Placement:
+    """The plan a trainer rank executes: the one `--role train` resolved and exported (MEGATRON_RL_HOSTS,
+    MEGATRON_RL_GPUS_PER_NODE, MEGATRON_RL_ROLLOUT_NODES), else one host with every rank on it."""
+    env = dict(os.environ) if env is None else env
+    if env.get("MEGATRON_RL_HOSTS"):
+        plan = placement_for_config(cfg, env["MEGATRON_RL_HOSTS"].split(","), int(env["MEGATRON_RL_GPUS_PER_NODE"]),
+                                    int(env.get("MEGATRON_RL_ROLLOUT_NODES") or 0))
     else:
-        urls = ",".join(u for n in plan.rollout_nodes for u in plan.servers_of(n))
-        sglang += [f"rollout.sglang.server_urls=[{urls}]", f"rollout.sglang.router_url={plan.router_url}",
-                   f"rollout.sglang.nccl_master_addr={plan.master_addr}"]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(plan.trainer_nodes)}",
-            f"--node-rank={node_rank}", f"--nproc-per-node={plan.gpus_per_node}",
-            f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}",
-            "-m", "megatron_rl.train", config, "rollout.engine=sglang", *sglang, *overrides]
+        plan = placement_for_config(cfg, [cfg.rollout.sglang.host], world_size)
+    if plan.world_size != world_size:
+        raise ValueError(f"the placement plan has {plan.world_size} trainer ranks but torch.distributed "
+                         f"started {world_size}")
+    return plan
 
 
-def rollout_argvs(plan: Plan, node: str, model: str, api_key: str, sglang=None) -> list[list[str]]:
-    """sglang.launch_server per TP group of this rollout node (+ the router on the first one).
+def plan_env(plan: Placement) -> dict[str, str]:
+    """What a trainer rank needs to recompute `plan` (placement_for_run)."""
+    rollout = len(plan.server_hosts) if plan.layout == "disaggregated" else 0
+    return {"MEGATRON_RL_HOSTS": ",".join(h.host for h in plan.hosts),
+            "MEGATRON_RL_GPUS_PER_NODE": str(plan.gpus_per_node), "MEGATRON_RL_ROLLOUT_NODES": str(rollout)}
 
-    sglang: the run's `rollout.sglang` section (kv_cache_dtype, mem_fraction_static, quantization,
-    extra_args, commands...); the plan decides only placement (host, ports, TP size)."""
-    import dataclasses
 
+def this_host(plan: Placement, env: dict[str, str]) -> str:
+    host = env.get("SLURMD_NODENAME") or plan.hosts[int(env.get("SLURM_NODEID", "0"))].host
+    if host not in [h.host for h in plan.hosts]:
+        raise ValueError(f"this host {host!r} is not in the job's hosts {[h.host for h in plan.hosts]}")
+    return host
+
+
+# ---- trainer hosts --------------------------------------------------------------------------
+
+def trainer_argv(plan: Placement, host: str, config: str, overrides: list[str], master_port: int = 29500) -> list[str]:
+    """torchrun for this trainer host: ranks host_index * G .. + G - 1, as the plan numbers them."""
+    trainers = [h.host for h in plan.trainer_hosts()]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(trainers)}",
+            f"--node-rank={trainers.index(host)}", f"--nproc-per-node={plan.gpus_per_node}",
+            f"--master-addr={plan.master_addr}", f"--master-port={master_port}", "--local-addr", host,
+            "-m", "megatron_rl.train", config, *overrides]
+
+
+# ---- disaggregated rollout hosts -------------------------------------------------------------
+
+def serve_argvs(plan: Placement, host: str, cfg: RunConfig, model: str, api_key: str) -> list[list[str]]:
+    """The launch commands of this host's servers (+ the router on the router host), in order."""
     from megatron_rl.rollout import _sglang
-    from megatron_rl.rollout.sglang_config import SGLangConfig
     from megatron_rl.rollout.sglang_server import router_args, server_args
 
-    cfg = dataclasses.replace(sglang or SGLangConfig(), mode="disaggregated", host=node, tp_size=plan.tp_size,
-                              weight_transport="nccl", router_port=plan.router_port)
-    argvs = [_sglang.server_argv(server_args(cfg, model, plan.server_port + i, i * plan.tp_size, seed=i)
-                                 + ["--api-key", api_key], cfg.server_command)
-             for i in range(plan.gpus_per_node // plan.tp_size)]
-    if node == plan.rollout_nodes[0]:
-        all_urls = [u for n in plan.rollout_nodes for u in plan.servers_of(n)]
-        argvs.append(_sglang.router_argv(router_args(cfg, all_urls) + ["--api-key", api_key], cfg.router_command))
+    entry = next(h for h in plan.hosts if h.host == host)
+    sg = replace(cfg.rollout.sglang, host=host, tp_size=len(entry.servers[0].gpus) if entry.servers else 1)
+    argvs = [_sglang.server_argv(server_args(sg, model, s.port, s.gpus[0], seed=cfg.train.seed + i)
+                                 + ["--api-key", api_key], sg.server_command)
+             for i, s in enumerate(entry.servers)]
+    if entry.router_port is not None:  # every worker requires the key, so the router sends it
+        urls = [u for h in plan.server_hosts for u in h.server_urls()]
+        argvs.append(_sglang.router_argv(router_args(replace(sg, router_port=entry.router_port), urls)
+                                         + ["--api-key", api_key], sg.router_command))
     return argvs
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        raise SystemExit("usage: python -m megatron_rl.launch CONFIG.yaml [section.key=value ...]")
-    env = dict(os.environ)
-    plan = plan_from_env(env)
-    node = plan.nodes[int(env.get("SLURM_NODEID", "0"))]
-    if plan.layout == "disaggregated" and node in plan.rollout_nodes:
-        model, key = env["MEGATRON_RL_MODEL"], env["MEGATRON_RL_SGLANG_API_KEY"]
-        from megatron_rl.config import load_config
+def serve_model(cfg: RunConfig, env: dict[str, str]) -> str:
+    """The checkpoint disaggregated servers load: MEGATRON_RL_MODEL, else rollout.sglang.model_path,
+    else model.hf_dir. An FP8 rollout needs a block-FP8 checkpoint made beforehand
+    (tools/convert_hf_to_fp8.py): the trainer's own conversion runs after these servers start."""
+    model = env.get("MEGATRON_RL_MODEL") or cfg.rollout.sglang.model_path
+    if not model and cfg.precision.rollout_quant == "fp8_blockwise":
+        raise ValueError("precision.rollout_quant=fp8_blockwise on disaggregated servers needs a block-FP8 "
+                         "checkpoint: set rollout.sglang.model_path (or MEGATRON_RL_MODEL) to the output "
+                         "of tools/convert_hf_to_fp8.py")
+    model = model or cfg.model.hf_dir
+    if not model:
+        raise ValueError("disaggregated servers need a checkpoint: set MEGATRON_RL_MODEL or model.hf_dir")
+    return model
 
-        sglang = load_config(argv[0], argv[1:]).rollout.sglang
-        procs = [subprocess.Popen(a) for a in rollout_argvs(plan, node, model, key, sglang)]
-        return max(p.wait() for p in procs)  # servers live until the job ends (scancel / time limit)
-    return subprocess.call(trainer_argv(plan, node, argv[0], argv[1:]))
+
+def serve(argvs: list[list[str]], log_dir: Path, host: str) -> int:
+    """Run this host's servers until SIGTERM (the job script stops the step when the trainer ends).
+
+    A server or router that exits ends the step with status 1 and the job script then stops the
+    trainer: a restarted server would hold the checkpoint's weights and would not be a member of the
+    owner's NCCL weight group, so the next update could not reach it. Resume from the last checkpoint.
+    """
+    from megatron_rl.rollout.sglang_server import ManagedProcess, launch_env
+
+    (log_dir / host).mkdir(parents=True, exist_ok=True)  # one folder per host, as the colocated owners
+    procs = [ManagedProcess(a, launch_env(), log_dir / host / f"{_name(a, i)}.log") for i, a in enumerate(argvs)]
+    stop = _stop_flag()
+    for p in procs:
+        p.start()
+    try:
+        while not stop:
+            time.sleep(0.5)
+            dead = [_name(p.argv, i) for i, p in enumerate(procs) if not p.alive()]
+            if dead and not stop:
+                print(f"{host}: {dead[0]} exited (see {log_dir / host}); ending the serve step", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        for p in procs:
+            p.stop(timeout_s=20.0)
+
+
+def _name(argv: list[str], index: int) -> str:
+    port = argv[argv.index("--port") + 1] if "--port" in argv else str(index)
+    return f"router-{port}" if any("router" in a for a in argv[:3]) else f"server-{port}"
+
+
+def _stop_flag() -> list[int]:
+    """A list that becomes non-empty on SIGTERM / SIGINT (srun forwards them to the step's tasks)."""
+    flag: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: flag.append(signum))
+    return flag
+
+
+def run_trainer(argv: list[str], env: dict[str, str]) -> int:
+    """torchrun as a child in its own session, so a SIGTERM to this task ends it and its ranks
+    (torchrun forwards the signal to the ranks) before we exit with its status."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: proc.send_signal(signal.SIGTERM))
+    try:
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---- entry -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl launch", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--dry-run", action="store_true", help="print the placement plan as JSON and exit")
+    parser.add_argument("--role", choices=("train", "serve"), help="what this srun task runs (slurm/*.sbatch)")
+    parser.add_argument("--nodes", type=int, help="hosts in the job (default: SLURM_JOB_NODELIST)")
+    parser.add_argument("--gpus-per-node", type=int, help="default MEGATRON_RL_GPUS_PER_NODE / SLURM_GPUS_ON_NODE / 8")
+    parser.add_argument("--rollout-nodes", type=int, help="disaggregated: hosts for SGLang (MEGATRON_RL_ROLLOUT_NODES)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan = placement_for_config(cfg, *world_from_env(env, args.nodes, args.gpus_per_node, args.rollout_nodes))
+        host = this_host(plan, env) if args.role and not args.dry_run else ""
+        if args.role == "serve" and not args.dry_run:
+            argvs = serve_argvs(plan, host, cfg, serve_model(cfg, env), cfg.rollout.sglang.api_key())
+    except ValueError as err:
+        print(f"megatron-rl launch: error: {err}", file=sys.stderr)
+        return 2
+    if not host:
+        print(plan.to_json())
+        return 0
+    if args.role == "serve":
+        return serve(argvs, Path(env.get("MEGATRON_RL_LOG_DIR") or Path(cfg.log.dir) / "sglang"), host)
+    port = int(env.get("MEGATRON_RL_MASTER_PORT", "29500"))
+    return run_trainer(trainer_argv(plan, host, args.config, args.overrides, port), {**env, **plan_env(plan)})
 
 
 if __name__ == "__main__":

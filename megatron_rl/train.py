@@ -7,7 +7,10 @@ Run with `megatron-rl train CONFIG.yaml [section.key=value ...]`, or on several 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -20,6 +23,32 @@ from megatron_rl.plan.report import check_fits, is_colocated, job_cluster
 log = logging.getLogger("megatron_rl.train")
 
 
+_ON_SIGTERM: list = []  # what a SIGTERM must stop before the process exits (see below)
+
+
+def _stop_children_on_sigterm() -> None:
+    """SIGTERM (torchrun or srun stopping the job) stops this rank's SGLang servers and reward worker,
+    then exits 143. A Python handler would not run while the main thread waits inside a gloo / NCCL
+    collective (a peer died: up to the collective's timeout), so the signal's C-level handler writes
+    to a wakeup pipe (signal.set_wakeup_fd) that a watcher thread reads. Call from the main thread."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: None)  # not the default action: the watcher acts
+
+    def watch() -> None:
+        while os.read(read_fd, 1) != bytes([signal.SIGTERM]):
+            pass  # another handled signal (SIGINT): not ours
+        for stop in _ON_SIGTERM:
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - the rank is exiting; stop the others regardless
+                log.exception("while stopping on SIGTERM")
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="sigterm", daemon=True).start()
+
+
 def run(cfg: RunConfig) -> dict[str, float]:
     """Train for cfg.train.num_steps RL steps; returns the last step's metrics."""
     planned = check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
@@ -28,12 +57,13 @@ def run(cfg: RunConfig) -> dict[str, float]:
     run_ = build.build_run(cfg)
     memory = ColocatedMemory(run_.actor, run_.engine,
                              enabled=cfg.train.colocated_protocol and is_colocated(cfg))
-    start = run_.resume_step()
-    memory.before_sync()
-    run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
-    memory.after_sync()
+    _ON_SIGTERM.extend([run_.rewards.close] + ([run_.engine.shutdown] if run_.engine is not None else []))
     metrics: dict[str, float] = {}
-    try:  # finish() also stops engine servers and the reward worker when a step raises
+    try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
+        start = run_.resume_step()
+        memory.before_sync()
+        run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
+        memory.after_sync()
         for step in range(start, cfg.train.num_steps):
             metrics = _step(run_, step, memory)
             run_.logger.log(step, metrics)
@@ -70,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m megatron_rl.train CONFIG.yaml [section.key=value ...]")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _stop_children_on_sigterm()
     run(load_config(argv[0], argv[1:]))
     return 0
 

@@ -75,6 +75,7 @@ class SGLangEngine(RolloutEngine):
         self._lock = threading.Lock()
         self._restart_locks = {id(s): threading.Lock() for s in self.servers}
         self.stats = {"retries": 0, "restarts": 0, "requests": 0}
+        self._closed = False  # shutdown() ran: no more restarts
         if start:
             self.start()
 
@@ -105,6 +106,10 @@ class SGLangEngine(RolloutEngine):
         wait_healthy([Server(self.router, process=self._router_proc)], self.cfg.startup_timeout_s)
 
     def shutdown(self) -> None:
+        """Stop what this process launched. May run on another thread (a SIGTERM watcher) while a
+        request's failure restarts a server: `_closed` is set first, so that restart stops its own
+        process (see _check_server) or this loop sees the new one."""
+        self._closed = True
         for proc in [s.process for s in self.servers] + [self._router_proc]:
             if proc is not None:
                 proc.stop()
@@ -177,8 +182,9 @@ class SGLangEngine(RolloutEngine):
             return
         with self._lock:
             server.version = -1  # holds no trained weights until the next full update
-        if server.process is None:
-            log.error("SGLang server %s is not answering (not launched here: not restarted)", server.url)
+        if server.process is None or self._closed:
+            log.error("SGLang server %s is not answering (not restarted: %s)", server.url,
+                      "shutting down" if self._closed else "not launched here")
             return
         lock = self._restart_locks[id(server)]
         if not lock.acquire(blocking=False):
@@ -187,6 +193,9 @@ class SGLangEngine(RolloutEngine):
             log.warning("SGLang server %s is dead; restarting it", server.url)
             server.process.stop(timeout_s=10.0)
             server.process.start()
+            if self._closed:  # shutdown() ran meanwhile and may have missed this process
+                server.process.stop()
+                return
             wait_healthy([server], self.cfg.startup_timeout_s)
             with self._lock:
                 server.restarts += 1

@@ -194,11 +194,12 @@ def init_update_group(addr: str, port: int, world_size: int, group_name: str, ba
     """Rank 0 of the weight-update group, built as SGLang builds its side (rendezvous on
     tcp://addr:port, a store prefixed by the group name), so both sides meet on the same keys.
     Independent of the trainer's default process group."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-    store, rank, world_size = next(rendezvous(f"tcp://{addr}:{port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store server, started here: under torchrun, rendezvous("tcp://...") would only make a client
+    # (torchrun's agent hosts the store of ITS group) and the servers and this rank would wait forever.
+    store = torch.distributed.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
+    rank = 0
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}

@@ -30,15 +30,19 @@ class WeightSync:
     Only the engine rank (first rank of the model-parallel group: pp rank 0, tp rank 0) holds a
     transport; the other ranks take part in the TP all-gathers (inside `export_hf_weights`) and,
     with PP > 1, send their stage's buckets to the engine rank over the PP group.
+
+    wait_for_owners: every rank ends sync() at a world barrier, so a client rank (sampling through
+    SGLang servers another rank owns, megatron_rl.placement) never generates during their update.
     """
 
     def __init__(self, actor, transport: WeightTransport | None, quant: RolloutQuantSpec,
-                 bucket_mb: float = 512.0, check: bool = False) -> None:
+                 bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False) -> None:
         self.actor = actor
         self.transport = transport
         self.quant = quant
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.check = check
+        self.wait_for_owners = wait_for_owners
         self.version = 0
 
     def _local_buckets(self) -> Iterator[list[NamedTensor]]:
@@ -77,6 +81,8 @@ class WeightSync:
                    "sync/gb_per_s": sent_bytes / max(seconds, 1e-9) / 1e9}
         if self.check and self.transport is not None:
             metrics["sync/check_mismatches"] = float(self._verify(digests))
+        if self.wait_for_owners:
+            collectives.barrier(None)  # world: the owners' pause -> update -> continue is over
         return metrics
 
     def _verify(self, digests: dict[str, str]) -> int:

@@ -13,7 +13,7 @@ HOST_SIDE = ["train.py", "rl_step.py", "rl_batch.py", "build.py", "checkpoint.py
              "launch.py", "sync", "rollout", "rewards", "data"]
 # The NCCL weight-update group shared with the SGLang servers is a device-side transfer of weights.
 ALLOWED = {"sglang_transport.py": {"torch.distributed.destroy_process_group", "torch.distributed.broadcast",
-                                   "torch.distributed.distributed_c10d"}}
+                                   "torch.distributed.distributed_c10d", "torch.distributed.TCPStore"}}
 
 
 def _host_files():

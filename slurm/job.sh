@@ -1,0 +1,77 @@
+# Sourced by colocated.sbatch and disaggregated.sbatch (after their #SBATCH block): the environment
+# every step shares, the per-job log folder, the srun steps and the job's lifecycle.
+# Inputs: CONFIG [overrides], SERVE_NODES (hosts that run the serve step; 0 when colocated).
+
+set -uo pipefail  # no -e: the trainer's status must reach the end of the script
+CONFIG=${1:?usage: sbatch slurm/<layout>.sbatch CONFIG.yaml [section.key=value ...]}
+shift
+OVERRIDES=("$@")
+
+# ---- environment: set once here; srun passes the whole environment to every step ------------
+export MEGATRON_RL_SGLANG_API_KEY=${MEGATRON_RL_SGLANG_API_KEY:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
+export MEGATRON_RL_GPUS_PER_NODE=${MEGATRON_RL_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+export MEGATRON_RL_MASTER_PORT=${MEGATRON_RL_MASTER_PORT:-29500}
+export MEGATRON_RL_ROLLOUT_NODES=$SERVE_NODES
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # TP comm/GEMM overlap, sequence parallel
+export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=${NVTE_FP8_BLOCK_SCALING_FP32_SCALES:-1}  # Hopper: FP32 block scales
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a dead peer ends the step
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_* and NVTE_* set at submission travel the same way.
+
+# ---- logs: one folder per job; srun writes one labelled file per step and host ---------------
+LOG_DIR=${MEGATRON_RL_LOG_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/logs}/${SLURM_JOB_NAME:-megatron-rl}-${SLURM_JOB_ID}
+mkdir -p "$LOG_DIR" || exit 1
+export MEGATRON_RL_LOG_DIR=$LOG_DIR  # SGLang server logs: $LOG_DIR/<host>/
+echo "logs: $LOG_DIR"
+
+# ---- steps -----------------------------------------------------------------------------------
+CONTAINER_ARGS=()
+if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+  CONTAINER_ARGS=(--container-image="$CONTAINER_IMAGE" --container-mounts="${CONTAINER_MOUNTS:-$PWD:$PWD}"
+                  --container-workdir="$PWD" --no-container-mount-home)
+fi
+SRUN=(srun "${CONTAINER_ARGS[@]}" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" --kill-on-bad-exit=1)
+LAUNCH=(python -m megatron_rl.launch)
+ARGS=("$CONFIG" "${OVERRIDES[@]}")
+mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+SERVE_HOSTS=$(IFS=,; echo "${HOSTS[*]:0:SERVE_NODES}")
+TRAIN_HOSTS=$(IFS=,; echo "${HOSTS[*]:SERVE_NODES}")
+
+STEP_PIDS=()
+stop_steps() {  # SIGTERM every step still running (srun forwards it to the tasks), then wait for them
+  for pid in "${STEP_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  for pid in "${STEP_PIDS[@]}"; do wait "$pid" 2>/dev/null; done
+}
+trap stop_steps EXIT
+trap 'exit 143' TERM INT  # scancel / time limit: the EXIT trap stops the steps
+
+# The plan every step executes; a bad config or layout ends the job here, before anything starts.
+"${SRUN[@]}" --nodes=1 --ntasks=1 --output="$LOG_DIR/plan.json" --error="$LOG_DIR/plan.err" \
+  "${LAUNCH[@]}" --dry-run "${ARGS[@]}" || { cat "$LOG_DIR/plan.err" >&2; exit 2; }
+
+if (( SERVE_NODES > 0 )); then
+  "${SRUN[@]}" --nodes="$SERVE_NODES" --nodelist="$SERVE_HOSTS" --output="$LOG_DIR/serve-%N.log" \
+    "${LAUNCH[@]}" --role serve "${ARGS[@]}" &
+  SERVE_PID=$!
+  STEP_PIDS+=("$SERVE_PID")
+fi
+"${SRUN[@]}" --nodes=$(( ${#HOSTS[@]} - SERVE_NODES )) --nodelist="$TRAIN_HOSTS" --output="$LOG_DIR/train-%N.log" \
+  "${LAUNCH[@]}" --role train "${ARGS[@]}" &
+TRAIN_PID=$!
+STEP_PIDS+=("$TRAIN_PID")
+
+# ---- lifecycle: the job ends with the trainer, with its status; servers never outlive it -------
+while kill -0 "$TRAIN_PID" 2>/dev/null; do
+  if [[ -n "${SERVE_PID:-}" ]] && ! kill -0 "$SERVE_PID" 2>/dev/null; then
+    echo "the serve step ended before the trainer (see $LOG_DIR/serve-*.log); stopping the trainer" >&2
+    kill -TERM "$TRAIN_PID"
+    wait "$TRAIN_PID"
+    exit 1
+  fi
+  sleep 2
+done
+wait "$TRAIN_PID"
+RC=$?
+echo "trainer exited with status $RC"
+exit "$RC"
