@@ -194,7 +194,14 @@ def _mkdir(path: Path) -> Path:
 
 def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
     """(engine, transport, placement) of this rank. Owners build first (colocated: they start their
-    host's servers); every rank then waits at a barrier, so clients attach to servers that are up."""
+    host's servers); every rank then waits at a barrier, so clients attach to servers that are up.
+
+    One process started without the launcher, disaggregated: it owns the servers its rollout.sglang
+    section launches or lists (placement None), as a laptop or a single-host test runs them."""
+    if (cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "disaggregated"
+            and parallel.world_size == 1 and not os.environ.get("MEGATRON_RL_HOSTS")):
+        engine, transport = build_engine(cfg, model_dir)
+        return engine, transport, None
     placement = placement_for_run(cfg, parallel.world_size)
     host, node = placement.host_of(parallel.rank).host, os.environ.get("SLURMD_NODENAME")
     if node and os.environ.get("MEGATRON_RL_HOSTS") and node != host:  # a plan from megatron_rl.launch
@@ -296,7 +303,8 @@ def build_run(cfg: RunConfig) -> Run:
     # Every rank, in the same order, before the owners go off to start servers (minutes).
     host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks)
     engine, transport, placement = build_rollout(cfg, model_dir, parallel)
-    clients = any(placement.rollout_role(r) == "client" for r in range(parallel.world_size))
+    clients = placement is not None and any(placement.rollout_role(r) == "client"
+                                            for r in range(parallel.world_size))
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,

@@ -55,8 +55,10 @@ def run(cfg: RunConfig) -> dict[str, float]:
     if planned is not None:
         log.info("memory plan: peak %.1f of %.0f GB per GPU", planned["peak_gb_per_gpu"], planned["gpu_mem_gb"])
     run_ = build.build_run(cfg)
-    memory = ColocatedMemory(run_.actor, run_.engine,
-                             enabled=cfg.train.colocated_protocol and is_colocated(cfg))
+    # Only the owner of a server set (the rank with a transport) releases and resumes it: clients
+    # of the same servers would release them twice, and SGLang refuses a resume of what is not released.
+    owned = run_.engine if run_.sync.transport is not None else None
+    memory = ColocatedMemory(run_.actor, owned, enabled=cfg.train.colocated_protocol and is_colocated(cfg))
     _ON_SIGTERM.extend([run_.rewards.close] + ([run_.engine.shutdown] if run_.engine is not None else []))
     metrics: dict[str, float] = {}
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises

@@ -29,7 +29,7 @@ def demote_megatron_logs() -> None:
     root = logging.getLogger("megatron")
     if not any(isinstance(h, _DemoteInfo) for h in root.handlers):
         root.addHandler(_DemoteInfo())
-        root.propagate = False
+    root.propagate = False  # every time: logging setups elsewhere (logging.config) may reset it
 
 
 @contextlib.contextmanager

@@ -61,7 +61,9 @@ def tensor_digest(t: torch.Tensor) -> str:
     t = t.detach().contiguous().cpu()
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
     # reshape(-1) first: a 0-d tensor (a tensorwise weight_scale) cannot be viewed as bytes.
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    # clone(): numpy() marks the storage it views non-resizable for good, and the colocated
+    # offload frees parameter storages by resizing them (actor/offload.py).
+    h.update(t.reshape(-1).view(torch.uint8).clone().numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

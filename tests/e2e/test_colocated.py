@@ -45,8 +45,10 @@ def test_colocated_protocol_order_in_the_loop(tmp_path, calls):
                        "checkpoint.save_final=true")
     assert [r["step"] for r in records] == [0, 1] and all(r["step/skipped"] == 0 for r in records)
     start = ["offload(('grads', 'optimizer'))", "sync", "finish_update", "offload(('params',))"]
-    calib = ["compute_logprobs", "compute_logprobs"]  # the calibration mini-batch's two forwards
-    step = STEP[:6] + calib + STEP[6:]  # before the last mini-batch's update
+    # Old log-probs, then the BF16 shadow at theta_old on the calibration rows (both before any
+    # update); the BF16 forward at the current weights right before the calibration mini-batch's
+    # update (the last one); its FP8 ratio comes from that update's own forward.
+    step = STEP[:6] + ["compute_logprobs"] + STEP[6:]
     end = ["reload", "save_checkpoint", "offload()"]  # the final save: trainer in, then out again
     assert calls == start + step + step + end
     assert records[-1]["memory/trainer_offloaded_gb"] > 0 and records[-1]["sync/check_mismatches"] == 0

@@ -100,14 +100,19 @@ def test_flush_is_retried_while_a_health_probe_holds_the_server(fp8_kv_server):
 
 
 def test_disaggregated_servers_get_the_whole_sglang_section():
-    from megatron_rl.launch import Plan, rollout_argvs
+    from megatron_rl.config import RunConfig
+    from megatron_rl.launch import serve_argvs
+    from megatron_rl.placement import placement_for_config
 
-    sg = SGLangConfig(kv_cache_dtype="fp8_e4m3", mem_fraction_static=0.55, quantization="fp8",
-                      extra_args=["--context-length", "20480"], server_command=["/opt/sgl/bin/python", "-m", "sglang.launch_server"],
-                      router_command=["/opt/sgl/bin/sglang-router"], request_timeout_s=7200)
-    plan = Plan(layout="disaggregated", nodes=["r0", "t0"], gpus_per_node=2, tp_size=2,
-                trainer_nodes=["t0"], rollout_nodes=["r0"], server_urls={"r0": ["http://r0:30000"]})
-    server, router = rollout_argvs(plan, "r0", "/ckpt", "KEY", sg)
+    cfg = RunConfig()
+    cfg.rollout.engine = "sglang"
+    cfg.rollout.sglang = SGLangConfig(
+        mode="disaggregated", tp_size=2, weight_transport="nccl", kv_cache_dtype="fp8_e4m3",
+        mem_fraction_static=0.55, quantization="fp8", extra_args=["--context-length", "20480"],
+        server_command=["/opt/sgl/bin/python", "-m", "sglang.launch_server"],
+        router_command=["/opt/sgl/bin/sglang-router"], request_timeout_s=7200)
+    plan = placement_for_config(cfg, ["r0", "t0"], 2, rollout_nodes=1)
+    server, router = serve_argvs(plan, "r0", cfg, "/ckpt", "KEY")
     assert server[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     pairs = dict(zip(server[3::2], server[4::2]))
     assert pairs["--kv-cache-dtype"] == "fp8_e4m3" and pairs["--mem-fraction-static"] == "0.55"

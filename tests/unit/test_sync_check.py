@@ -73,3 +73,14 @@ def test_check_raises_on_a_tensor_the_engine_did_not_receive(actor, qwen2_dir):
             param.add_(0.01)
     with pytest.raises(WeightSyncError, match=target.replace(".", r"\.")):
         sync.sync()
+
+
+def test_digest_leaves_the_tensor_resizable():
+    """The colocated offload frees storages by resizing them; hashing must not pin them."""
+    import torch
+
+    from megatron_rl.rollout.base import tensor_digest
+
+    t = torch.arange(6, dtype=torch.float32)
+    tensor_digest(t)
+    assert t.untyped_storage().resizable()
