@@ -21,16 +21,21 @@ from __future__ import annotations
 import contextlib
 import time
 
+from megatron_rl import collectives
+
 GB = 1024**3
 
 
 class ColocatedMemory:
     """Owns the order of release / offload / resume calls; tracks who holds the device."""
 
-    def __init__(self, actor, engine, enabled: bool) -> None:
+    def __init__(self, actor, engine, enabled: bool, barrier_after_sync: bool = False) -> None:
         self.actor = actor
         self.engine = engine
         self.enabled = enabled
+        self.barrier_after_sync = barrier_after_sync
+        """Ranks that sample through servers another rank owns (placement clients) wait here until
+        the owner has resumed the KV cache: generating earlier is refused by SGLang."""
         self._engine_released = False
         self._trainer_offloaded = False
 
@@ -66,6 +71,8 @@ class ColocatedMemory:
         if self.engine is not None and self._engine_released:
             self.engine.resume_memory(("kv_cache",))
             self._engine_released = False
+        if self.barrier_after_sync:
+            collectives.barrier(None)  # world: every owner's servers can generate again
         return {"memory/params_offloaded_gb": freed / GB, "time/memory_resume": time.perf_counter() - t0}
 
     @contextlib.contextmanager
