@@ -226,7 +226,10 @@ def trace_run(log_dir: Path, config: str, *overrides: str, setup=None) -> Trace:
     from megatron_rl.actor.parallel import destroy_parallel
     from megatron_rl.train import run
 
-    cfg = load_config(EXAMPLES / config, [*TINY, f"log.dir={log_dir}", *overrides])
+    # The trace reads the trainer's parameters between steps, where the colocated protocol has them
+    # offloaded (0-byte storages): the protocol's own order is tested in test_colocated.py.
+    cfg = load_config(EXAMPLES / config, [*TINY, f"log.dir={log_dir}", "train.colocated_protocol=false",
+                                          *overrides])
     trace = Trace(cfg)
     real_build = build.build_run
 
