@@ -26,7 +26,7 @@ def _worker(rank: int, world_size: int) -> dict:
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
     parallel = SimpleNamespace(tp_size=2, pp_size=1, tp_rank=rank, pp_rank=0, mp_group=group)
-    run = SimpleNamespace(cfg=load_config(None, ["rollout.n_samples_per_prompt=2"]), parallel=parallel,
+    run = SimpleNamespace(cfg=load_config(None, ["rollout.n_samples_per_prompt=2"]), parallel=parallel, host_groups=None,
                           is_engine_rank=rank == 0, rewards=_CountingRewards(rank),
                           tokenizer=SimpleNamespace(batch_decode=lambda ids, **kw: ["x" * len(i) for i in ids]))
     prompts = [SimpleNamespace(answer="a")]
