@@ -63,21 +63,40 @@ def test_megatron_core_version_range(version, ok):
             megatron_compat.check_megatron_version(version)
 
 
-def test_megatron_chatter_goes_to_debug(caplog):
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_megatron_chatter_goes_to_debug():
+    # What a root handler (the user's console or log file) receives. caplog would not do: pytest
+    # also attaches its handler to every non-propagating logger, Megatron's included.
     from megatron_rl.actor.quiet import megatron_quiet
 
-    caplog.set_level(logging.DEBUG)
-    with warnings.catch_warnings(record=True) as outside:
-        warnings.simplefilter("always")
-        with megatron_quiet():
-            logging.getLogger("megatron.core.distributed").info("Params for bucket 1")
-            logging.getLogger("megatron.core.optimizer").warning("real trouble")
-            warnings.warn_explicit("Apex is not installed", UserWarning,
-                                   "/x/megatron/core/models/backends.py", 21)
-            warnings.warn("ours", UserWarning)
-    levels = {r.getMessage().split(": ", 1)[-1]: r.levelno for r in caplog.records}
+    root = logging.getLogger()
+    seen, old_level = _Records(), root.level
+    root.addHandler(seen)
+    root.setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as outside:
+            warnings.simplefilter("always")
+            with megatron_quiet():
+                logging.getLogger("megatron.core.distributed").info("Params for bucket 1")
+                logging.getLogger("megatron.core.optimizer").warning("real trouble")
+                warnings.warn_explicit("Apex is not installed", UserWarning,
+                                       "/x/megatron/core/models/backends.py", 21)
+                warnings.warn("ours", UserWarning)
+    finally:
+        root.removeHandler(seen)
+        root.setLevel(old_level)
+    assert {r.name for r in seen.records} == {"megatron_rl.megatron"}
+    levels = {r.getMessage().split(": ", 1)[-1]: r.levelno for r in seen.records}
     assert levels["Params for bucket 1"] == logging.DEBUG
     assert levels["real trouble"] == logging.WARNING
     assert any("Apex is not installed" in r.getMessage() and r.levelno == logging.DEBUG
-               for r in caplog.records)
+               for r in seen.records)
     assert [str(w.message) for w in outside] == ["ours"]
