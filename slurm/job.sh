@@ -74,4 +74,8 @@ done
 wait "$TRAIN_PID"
 RC=$?
 echo "trainer exited with status $RC"
+if [[ "$RC" != 0 && -n "${SERVE_PID:-}" ]] && ! kill -0 "$SERVE_PID" 2>/dev/null; then
+  # the trainer can notice a dead server (a failed request) before the 2 s poll above does
+  echo "the serve step ended before the trainer (see $LOG_DIR/serve-*.log)" >&2
+fi
 exit "$RC"
