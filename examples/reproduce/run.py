@@ -1,11 +1,20 @@
-"""The precision study: BF16 vs vanilla FP8 (four scaling granularities) vs FP8 + Calibrated Clipping.
+"""The precision studies: every run of a study with the same model, data and seeds, then one report.
 
-One command runs every variant on the tiny task with the same model, data and seeds, then writes
-the report (table, claims, figures) with megatron_rl.report:
+Two studies share this harness (resumable: a finished run is skipped; `--jobs` runs at a time):
 
-  python examples/reproduce/run.py                       # all variants, seed 1 -> docs/reproduction/
+- `precision` (base.yaml, the default): BF16 vs vanilla FP8 (four scaling granularities) vs FP8 +
+  Calibrated Clipping on the short `sort` task; the report is docs/reproduction/report.md.
+- `surge` (surge.yaml): the search for a CPU setting where vanilla full-pipeline low precision
+  shows the paper's entropy surge and BF16 does not (docs/reproduction.md, "The entropy-surge
+  study"). `--stage screen` runs the declared grid (seed 1, BF16 and vanilla low precision per
+  setting); `--stage arms --setting NAME` runs the five arms of one setting (BF16, vanilla, TIS
+  only, Calibrated Clipping, lower-only ablation) over `--seeds`.
+
+  python examples/reproduce/run.py                       # precision study, seed 1 -> docs/reproduction/
   python examples/reproduce/run.py --seeds 1 2 --jobs 2  # more seeds, two runs at a time
   python examples/reproduce/run.py --variants bf16 fp8_tensorwise --steps 3 --out /tmp/r  # a quick look
+  python examples/reproduce/run.py --study surge --stage screen --jobs 2
+  python examples/reproduce/run.py --study surge --stage arms --setting chain_nvfp4 --seeds 1 2 3 --jobs 2
 """
 
 from __future__ import annotations
@@ -33,37 +42,120 @@ VARIANTS = {
                                   *FP8, "calib.enabled=true", "calib.mode=lower_only"],
 }
 
+# ---- the entropy-surge study (surge.yaml) --------------------------------------------------------
+# Low-precision pipelines of the screen: the training recipe and the rollout engine's numerics.
+PIPELINES = {
+    "tensorwise": ["precision.train_recipe=tensorwise", "precision.fp8_format=hybrid",
+                   "precision.rollout_quant=fp8_tensorwise"],
+    "delayed": ["precision.train_recipe=delayed", "precision.fp8_format=hybrid",
+                "precision.rollout_quant=fp8_tensorwise"],
+    "nvfp4": ["precision.train_recipe=nvfp4", "precision.rollout_quant=nvfp4"],
+    "mxfp4": ["precision.train_recipe=mxfp4", "precision.rollout_quant=mxfp4"],
+}
+BF16 = ["precision.train_recipe=bf16", "precision.rollout_quant=bf16"]
+OUTLIERS = ["model.outlier_channels=4", "model.outlier_scale=30"]
+SHORT = ["data.task=sort", "rollout.max_new_tokens=10"]  # the precision study's task, stress PPO
+# The declared grid: setting name -> (pipeline, extra overrides). Each setting runs vanilla (no TIS,
+# no calibration) and is compared with the BF16 run of the same task and PPO settings.
+SETTINGS = {
+    "chain_tensorwise": ("tensorwise", []),
+    "chain_tensorwise_outliers": ("tensorwise", OUTLIERS),
+    "chain_delayed": ("delayed", []),
+    "chain_nvfp4": ("nvfp4", []),
+    "chain_nvfp4_outliers": ("nvfp4", OUTLIERS),
+    "chain_mxfp4": ("mxfp4", []),
+    "chain_mxfp4_outliers": ("mxfp4", OUTLIERS),
+    "sort_nvfp4": ("nvfp4", SHORT),
+    "sort_mxfp4": ("mxfp4", SHORT),
+}
+BASELINES = {"chain_bf16": [], "chain_bf16_outliers": OUTLIERS, "sort_bf16": SHORT}
+VANILLA = ["algo.use_tis=false", "calib.enabled=false", "calib.diagnose=true"]
+ARMS = {  # the five arms of one setting (stage "arms")
+    "bf16": ["algo.use_tis=false", "calib.enabled=false"],
+    "vanilla": VANILLA,
+    "tis": ["algo.use_tis=true", "calib.enabled=false", "calib.diagnose=true"],
+    "calibrated": ["algo.use_tis=false", "calib.enabled=true"],
+    "lower_only": ["algo.use_tis=false", "calib.enabled=true", "calib.mode=lower_only"],
+}
 
-def run_one(name: str, seed: int, root: Path, extra: list[str]) -> Path:
+
+def screen_runs() -> dict[str, list[str]]:
+    runs = {name: [*BF16, "algo.use_tis=false", "calib.enabled=false", *extra]
+            for name, extra in BASELINES.items()}
+    for name, (pipeline, extra) in SETTINGS.items():
+        runs[name] = [*PIPELINES[pipeline], *VANILLA, *extra]
+    return runs
+
+
+def arm_runs(setting: str) -> dict[str, list[str]]:
+    if setting not in SETTINGS:
+        raise SystemExit(f"unknown --setting {setting!r}; the grid has {sorted(SETTINGS)}")
+    pipeline, extra = SETTINGS[setting]
+    return {arm: [*(BF16 if arm == "bf16" else PIPELINES[pipeline]), *overrides, *extra]
+            for arm, overrides in ARMS.items()}
+
+
+def run_one(name: str, overrides: list[str], base: Path, seed: int, root: Path, extra: list[str]) -> Path:
     log_dir = root / f"{name}_seed{seed}"
     if (log_dir / "done").exists():
         return log_dir
-    cmd = [sys.executable, "-m", "megatron_rl.train", str(HERE / "base.yaml"), *VARIANTS[name],
+    cmd = [sys.executable, "-m", "megatron_rl.train", str(base), *overrides,
            f"train.seed={seed}", f"log.dir={log_dir}", f"calib.dump_dir={log_dir / 'calib'}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "stdout.log", "w") as out:
         proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode:
-        raise RuntimeError(f"variant {name} seed {seed} failed: see {log_dir / 'stdout.log'}")
+        raise RuntimeError(f"run {name} seed {seed} failed: see {log_dir / 'stdout.log'}")
     (log_dir / "done").write_text("ok\n")
     return log_dir
 
 
+def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
+    """(base config, runs, default runs dir, default report dir, title) of the chosen study."""
+    if args.study == "precision":
+        return (HERE / "base.yaml", {v: VARIANTS[v] for v in args.variants or VARIANTS},
+                "runs/reproduce", "docs/reproduction",
+                "Precision study: BF16 vs FP8 vs FP8 + Calibrated Clipping")
+    if args.stage == "screen":
+        runs = screen_runs()
+        if args.variants:
+            unknown = sorted(set(args.variants) - set(runs))
+            if unknown:
+                raise SystemExit(f"unknown runs {unknown}; the screen has {sorted(runs)}")
+            runs = {v: runs[v] for v in args.variants}
+        return HERE / "surge.yaml", runs, "runs/surge/screen", "docs/reproduction/surge/screen", \
+            "Entropy-surge study: the screen (seed 1, vanilla low precision vs BF16)"
+    if not args.setting:
+        raise SystemExit("--stage arms needs --setting (one of the grid's settings)")
+    return (HERE / "surge.yaml", arm_runs(args.setting), f"runs/surge/{args.setting}",
+            f"docs/reproduction/surge/{args.setting}", f"Entropy-surge study: the arms of {args.setting}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--study", choices=["precision", "surge"], default="precision")
+    parser.add_argument("--stage", choices=["screen", "arms"], default="screen", help="surge study only")
+    parser.add_argument("--setting", default="", help="surge study, stage arms: a setting of the grid")
+    parser.add_argument("--variants", nargs="*", default=None,
+                        help="a subset of the study's runs (precision: variants; surge screen: run names)")
     parser.add_argument("--seeds", nargs="*", type=int, default=[1])
     parser.add_argument("--steps", type=int, default=None, help="override train.num_steps")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one core each)")
-    parser.add_argument("--runs-dir", default="runs/reproduce")
-    parser.add_argument("--out", default="docs/reproduction")
+    parser.add_argument("--runs-dir", default=None)
+    parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*", help="extra section.key=value for every run")
     args = parser.parse_args(argv)
+    if args.study == "precision" and args.variants:
+        unknown = sorted(set(args.variants) - set(VARIANTS))
+        if unknown:
+            parser.error(f"unknown variants {unknown}; the precision study has {sorted(VARIANTS)}")
+    base, runs, runs_dir, out, title = _plan(args)
+    root, out = Path(args.runs_dir or runs_dir), args.out or out
     extra = list(args.overrides) + ([f"train.num_steps={args.steps}"] if args.steps else [])
-    jobs = [(v, s) for s in args.seeds for v in args.variants]
+    jobs = [(v, s) for s in args.seeds for v in runs]
     with ThreadPoolExecutor(args.jobs) as pool:  # a failed run does not cancel the others
-        futures = [pool.submit(run_one, v, s, Path(args.runs_dir), extra) for v, s in jobs]
+        futures = [pool.submit(run_one, v, runs[v], base, s, root, extra) for v, s in jobs]
     done, failed = [], []
     for (v, s), fut in zip(jobs, futures):
         (failed if fut.exception() else done).append((v, s, fut))
@@ -73,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from megatron_rl.report import load_runs, write_report
 
-    runs = load_runs([f.result() for _, _, f in done], [f"{v} s{s}" for v, s, _ in done])
-    print(write_report(runs, args.out, "Precision study: BF16 vs FP8 vs FP8 + Calibrated Clipping"))
+    loaded = load_runs([f.result() for _, _, f in done], [f"{v} s{s}" for v, s, _ in done])
+    print(write_report(loaded, out, title))
     return 1 if failed else 0
 
 
