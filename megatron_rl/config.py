@@ -241,6 +241,23 @@ class LogConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The entropy-surge detector (megatron_rl/health.py, docs/health.md)."""
+
+    entropy_rise: float = 0.5
+    """Rise threshold: a step rises when entropy / running minimum - 1 >= this (0.5 = 50% above
+    the lowest entropy so far; paper.md's failure multiplies the entropy several times over)."""
+    patience: int = 10
+    """Consecutive rising steps (steps without an entropy neither count nor break the streak) that
+    make a surge; also the consecutive steps of garbled_rate that make a garbled surge."""
+    warmup_steps: int = 0
+    """Steps 0..warmup_steps-1 are ignored for the minimum and never rise. 0: no step is exempt,
+    so a surge from the start is seen; set it when the first RL steps after SFT are unrepresentative."""
+    garbled_rate: float = 0.5
+    """Garbled surge threshold: fraction of a step's responses that fail the task's format check."""
+
+
+@dataclass
 class CheckpointConfig:
     save_every: int = 0
     """Steps between checkpoints (0 = only at the end when `save_final`)."""
@@ -266,6 +283,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -296,6 +314,7 @@ _POSITIVE = (
     "calib.period", "calib.num_bins", "rollout.n_samples_per_prompt", "rollout.max_new_tokens",
     "data.prompts_per_step", "data.max_prompt_len", "train.num_mini_batches", "train.ppo_epochs",
     "train.micro_batch_size", "rollout.temperature", "sync.bucket_size_mb", "reward.timeout_s",
+    "health.entropy_rise", "health.patience",
 )
 
 
@@ -380,6 +399,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ValueError("config key 'calib.enabled': calibrated clipping calibrates FP8 against the "
                          "BF16 shadow; it needs precision.train_recipe other than 'bf16'")
     _validate_token_budget(cfg)
+    if cfg.health.warmup_steps < 0:
+        raise ValueError(f"config key 'health.warmup_steps': must be >= 0, got {cfg.health.warmup_steps}")
+    if not 0.0 < cfg.health.garbled_rate <= 1.0:
+        raise ValueError(f"config key 'health.garbled_rate': must be in (0, 1], got {cfg.health.garbled_rate}")
     if cfg.rollout.engine == "sglang":
         validate_sglang(cfg.rollout.sglang)
         if cfg.rollout.sglang.quantization == "fp8" and cfg.precision.rollout_quant == "fp8_blockwise":

@@ -23,6 +23,30 @@ def moving_average(values, window: int) -> list[float]:
     return out
 
 
+def surge_spans(records: list[dict]) -> list[tuple[int, int]]:
+    """(first, last) step of each run of consecutive records with health/surge == 1."""
+    spans: list[tuple[int, int]] = []
+    open_span = False
+    for r in records:
+        surging = bool(r.get("health/surge"))
+        if surging and open_span:
+            spans[-1] = (spans[-1][0], r["step"])
+        elif surging:
+            spans.append((r["step"], r["step"]))
+        open_span = surging
+    return spans
+
+
+def _mark_surges(ax, records: list[dict], color) -> None:
+    """Entropy panel: shade the steps in a surge (health/surge) and a dashed line at the first
+    surge's onset (health/surge_step; docs/health.md)."""
+    for first, last in surge_spans(records):
+        ax.axvspan(first, last, color=color, alpha=0.12, linewidth=0)
+    onset = next((r["health/surge_step"] for r in records if r.get("health/surge_step") is not None), None)
+    if onset is not None:
+        ax.axvline(onset, color=color, linestyle="--", linewidth=1.0)
+
+
 def plot_runs(runs: dict[str, list[dict]], out_png: str | Path,
               panels: tuple[tuple[str, str], ...] = DEFAULT_PANELS, title: str = "") -> Path:
     """One panel per metric, one run per color: raw values faint, their moving average bold.
@@ -46,6 +70,8 @@ def plot_runs(runs: dict[str, list[dict]], out_png: str | Path,
             ax.plot(steps, values, color=color, linewidth=0.8, alpha=0.35)
             ax.plot(steps, moving_average(values, max(1, len(values) // 10)), color=color,
                     linewidth=1.8, label=name)
+            if key == "entropy":
+                _mark_surges(ax, records, color)
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

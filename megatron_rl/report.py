@@ -63,14 +63,33 @@ def reduce_column(records: list[dict], key: str, how: str) -> float:
     return sum(vals) / len(vals)
 
 
+# Health columns (docs/health.md), after TABLE's: surge step, garbled rate last quarter, max rise.
+HEALTH_TITLES = ("surge step", "garbled rate, last quarter", "max entropy rise")
+
+
+def surge_step_cell(records: list[dict]) -> str:
+    """The first surge's onset step; "-" for a run with health metrics but no surge, "" without them."""
+    steps = _values(records, "health/surge_step")
+    if steps:
+        return str(int(steps[0]))
+    return "-" if _values(records, "health/rise_streak") else ""
+
+
+def _number(value: float) -> str:
+    return "" if math.isnan(value) else f"{value:.4g}"
+
+
 def summary_table(runs: dict[str, list[dict]]) -> str:
     """Markdown table, one row per run; empty cells where a run does not log the metric."""
-    head = "| run | " + " | ".join(t for t, _, _ in TABLE) + " |"
-    rule = "|---" * (len(TABLE) + 1) + "|"
+    titles = [t for t, _, _ in TABLE] + list(HEALTH_TITLES)
+    head = "| run | " + " | ".join(titles) + " |"
+    rule = "|---" * (len(titles) + 1) + "|"
     rows = [head, rule]
     for name, records in runs.items():
-        cells = [reduce_column(records, key, how) for _, key, how in TABLE]
-        rows.append(f"| {name} | " + " | ".join("" if math.isnan(c) else f"{c:.4g}" for c in cells) + " |")
+        cells = [_number(reduce_column(records, key, how)) for _, key, how in TABLE]
+        cells += [surge_step_cell(records), _number(reduce_column(records, "health/garbled_rate", "last")),
+                  _number(reduce_column(records, "health/entropy_rise", "max"))]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -158,7 +177,9 @@ def write_report(runs: dict[str, list[dict]], out_dir: str | Path, title: str = 
         lines += [f"![{name[:-4]}]({name})", ""]
     lines += ["Columns: `last` values average the last quarter of the steps; clip and false-clip "
               "columns average every step that logs them (false-clip needs the BF16 shadow, "
-              "so it exists on shadow steps only).", ""]
+              "so it exists on shadow steps only). Health columns (docs/health.md): the first "
+              "entropy surge's onset step (- for none), the garbled-output rate of the last quarter "
+              "and the largest entropy rise over the run's minimum.", ""]
     md = out_dir / "report.md"
     md.write_text("\n".join(lines))
     return md

@@ -11,6 +11,7 @@ import torch
 
 from megatron_rl import collectives
 from megatron_rl.actor.packing import pack_batch, pad_multiple, per_sequence, unpack
+from megatron_rl.data.tasks import get_task
 from megatron_rl.rl_batch import Batch, collate, mini_batches
 
 log = logging.getLogger("megatron_rl.rl_step")
@@ -42,8 +43,9 @@ def _generate_on_engine(run, prompts, step: int):
     return run.engine.generate([p.prompt_ids for p in prompts], sampling)
 
 
-def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float]]:
-    """Rewards [N] (+ DAPO overlong shaping) and reward-runner error counts."""
+def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+    """Rewards [N] (+ DAPO overlong shaping), reward-runner error counts, and garbled [N] float32
+    (1.0 where a response fails the built-in task's format check; None for a user dataset)."""
     from megatron_rl.algo.advantages import overlong_penalty
 
     n = run.cfg.rollout.n_samples_per_prompt
@@ -56,8 +58,10 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float]]:
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         rewards = rewards + overlong_penalty(lengths, run.cfg.rollout.max_new_tokens,
                                              a.overlong_buffer_len, a.overlong_penalty_factor)
+    valid = None if run.cfg.data.path else get_task(run.cfg.data.task).valid_format
+    garbled = None if valid is None else torch.tensor([float(not valid(t)) for t in texts])
     return rewards, {"reward/errors": float(stats["num_errors"]),
-                     "reward/timeouts": float(stats["num_timeouts"])}
+                     "reward/timeouts": float(stats["num_timeouts"])}, garbled
 
 
 def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
@@ -77,13 +81,15 @@ def generate(run, prompts, step: int) -> Rollout:
     samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
     samples = _broadcast_from_engine_rank(samples, run.parallel, run.host_groups)
     t_rollout = time.perf_counter() - t0
-    rewards, metrics = _score_on_engine_rank(run, prompts, samples)
+    rewards, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
     n = run.cfg.rollout.n_samples_per_prompt
     keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    metrics.update(_reduced_means(run, {"reward/mean": rewards, "reward/sq": rewards**2,
-                                        "response_length/mean": lengths,
-                                        "dynamic_sampling/kept_frac": keep.float()}))
+    means = {"reward/mean": rewards, "reward/sq": rewards**2, "response_length/mean": lengths,
+             "dynamic_sampling/kept_frac": keep.float()}
+    if garbled is not None:  # every response of every DP rank, before dynamic sampling drops any
+        means["health/garbled_rate"] = garbled
+    metrics.update(_reduced_means(run, means))
     metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
     metrics["time/rollout"] = t_rollout
     kept_total = _reduce_sum(run, float(keep.sum()))
@@ -109,7 +115,7 @@ def _drop_groups(batch: Batch, keep: torch.Tensor, dp_size: int) -> Batch:
     return batch
 
 
-def _score_on_engine_rank(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float]]:
+def _score_on_engine_rank(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
     """Rewards are scored once per model replica and broadcast: scoring on every TP x PP rank
     under a wall-clock timeout could give the ranks different advantages, hence different (L, H)
     and losses inside one replica."""

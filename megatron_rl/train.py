@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from megatron_rl import build, rl_step
+from megatron_rl import build, collectives, rl_step
 from megatron_rl.colocated import ColocatedMemory
 from megatron_rl.config import RunConfig, load_config
+from megatron_rl.health import SurgeDetector
 from megatron_rl.plan.report import check_fits, is_colocated, job_cluster
 
 log = logging.getLogger("megatron_rl.train")
@@ -64,11 +65,13 @@ def run(cfg: RunConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
         start = run_.resume_step()
+        detector = _surge_detector(run_)
         memory.before_sync()
         run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
         memory.after_sync()
         for step in range(start, cfg.train.num_steps):
             metrics = _step(run_, step, memory)
+            _add_health(detector, step, metrics, warn=run_.is_log_rank)
             run_.logger.log(step, metrics)
             if run_.save_due(step):
                 with memory.trainer_on_device():
@@ -95,6 +98,25 @@ def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, floa
         metrics.update(memory.after_sync())
     metrics["time/step"] = time.perf_counter() - t0
     return metrics
+
+
+def _surge_detector(run_: build.Run) -> SurgeDetector:
+    """The health detector, rebuilt from the log's steps before the resume step (the logger keeps
+    them): no state in the checkpoint. Only the log rank holds that history, so it sends the
+    detector to every rank (world group); the inputs, `entropy` and `health/garbled_rate`, are
+    global reductions, so every rank then computes the same health/* metrics."""
+    detector = SurgeDetector.from_history(run_.cfg.health, run_.logger.history) if run_.is_log_rank else None
+    return collectives.broadcast_object(detector, 0, None)
+
+
+def _add_health(detector: SurgeDetector, step: int, metrics: dict[str, float], warn: bool) -> None:
+    """Add the step's health/* metrics; `warn`: log once when the first entropy surge is detected."""
+    before = detector.surge_step
+    metrics.update(detector.update(step, metrics))
+    if warn and before is None and detector.surge_step is not None:
+        log.warning("step %d: entropy surge since step %d: entropy %.4g is %.0f%% above the run's minimum %.4g",
+                    step, detector.surge_step, metrics["entropy"], 100 * metrics["health/entropy_rise"],
+                    metrics["health/entropy_min"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ Prompts are short character strings for the character tokenizer (`char_tokenizer
 After ~100 SFT steps a 0.4M-parameter model gets about half of sort / reverse exactly right
 (docs/data.md has the measurements), so GRPO groups have reward variance from the first step;
 add is the harder task. `exact_match` is each task's reward; `position_match` (fraction of
-correct characters) is the partial-credit option.
+correct characters) is the partial-credit option; `valid_format` says whether a response is
+well-formed at all (its failure rate is the run's health/garbled_rate, docs/health.md).
 """
 
 from __future__ import annotations
@@ -22,15 +23,34 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+def _non_empty(text: str) -> bool:
+    return bool(text.strip())
+
+
 @dataclass(frozen=True)
 class TaskSpec:
-    """One built-in task: an example generator and the names of its reward functions."""
+    """One built-in task: an example generator, the names of its reward functions and its format check."""
 
     name: str
     make_example: Callable[..., tuple[str, str]]  # (rng, **options) -> (prompt, answer)
     defaults: dict[str, int] = field(default_factory=dict)  # option name -> default value
     reward_fn: str = "exact_match"  # name in megatron_rl.rewards registry
     partial_reward_fn: str = "position_match"
+    valid_format: Callable[[str], bool] = _non_empty
+    """Is a decoded response (special tokens such as eos dropped) well-formed for the task, right or
+    wrong? Its failure rate is health/garbled_rate (docs/health.md). Default: any non-blank text."""
+
+
+def digit_string(min_len: int, max_len: int, leading_zero: bool = True) -> Callable[[str], bool]:
+    """Format check: only ASCII digits, min_len <= length <= max_len, and no leading zero when
+    `leading_zero` is False (a lone "0" is always allowed)."""
+
+    def valid(text: str) -> bool:
+        if not (min_len <= len(text) <= max_len and text.isascii() and text.isdigit()):
+            return False
+        return leading_zero or text == "0" or text[0] != "0"
+
+    return valid
 
 
 def _digits(rng: random.Random, min_len: int, max_len: int) -> str:
@@ -53,10 +73,14 @@ def _add_example(rng: random.Random, num_digits: int) -> tuple[str, str]:
     return f"add:{a}+{b}=", str(a + b)
 
 
+# Format checks follow the default options, the ones an RL run generates (the data section has no
+# option keys): sort / reverse answers have the prompt's 3..6 digits; the sum of two 2-digit
+# numbers has 2 or 3 digits (20..198) and no leading zero.
 TASKS: dict[str, TaskSpec] = {
-    "sort": TaskSpec("sort", _sort_example, {"min_len": 3, "max_len": 6}),
-    "reverse": TaskSpec("reverse", _reverse_example, {"min_len": 3, "max_len": 6}),
-    "add": TaskSpec("add", _add_example, {"num_digits": 2}),
+    "sort": TaskSpec("sort", _sort_example, {"min_len": 3, "max_len": 6}, valid_format=digit_string(3, 6)),
+    "reverse": TaskSpec("reverse", _reverse_example, {"min_len": 3, "max_len": 6},
+                        valid_format=digit_string(3, 6)),
+    "add": TaskSpec("add", _add_example, {"num_digits": 2}, valid_format=digit_string(2, 3, leading_zero=False)),
 }
 
 

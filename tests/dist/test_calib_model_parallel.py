@@ -31,20 +31,22 @@ def _worker(rank: int, world_size: int) -> dict:
                           tokenizer=SimpleNamespace(batch_decode=lambda ids, **kw: ["x" * len(i) for i in ids]))
     prompts = [SimpleNamespace(answer="a")]
     samples = [SimpleNamespace(response_ids=[1, 2, 3]), SimpleNamespace(response_ids=[4])]
-    rewards, metrics = rl_step._score_on_engine_rank(run, prompts, samples)
+    rewards, metrics, garbled = rl_step._score_on_engine_rank(run, prompts, samples)
     rl_step.assert_same_across_model_parallel((0.75, 1.5), parallel)
     try:
         rl_step.assert_same_across_model_parallel((0.75, 1.5 + rank * 1e-12), parallel)
         differ = "not raised"
     except RuntimeError as err:
         differ = str(err)
-    return dict(rewards=rewards.tolist(), errors=metrics["reward/errors"], calls=run.rewards.calls, differ=differ)
+    return dict(rewards=rewards.tolist(), errors=metrics["reward/errors"], calls=run.rewards.calls, differ=differ,
+                garbled=garbled.tolist())
 
 
 def test_rewards_scored_once_per_replica_and_bounds_checked():
     r0, r1 = run_distributed(_worker, world_size=2, timeout_s=120)
     assert r0["rewards"] == r1["rewards"] == [3.0, 1.0]  # rank 0's scores on both ranks
     assert r0["errors"] == r1["errors"] == 0.0
+    assert r0["garbled"] == r1["garbled"] == [1.0, 1.0]  # "xxx", "x": not digits, fail sort's format
     assert (r0["calls"], r1["calls"]) == (1, 0)
     for r in (r0, r1):
         assert "differ across the model-parallel group" in r["differ"]

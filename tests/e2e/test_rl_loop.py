@@ -107,18 +107,23 @@ def test_resume_gives_the_same_later_steps(tmp_path):
     """Calibration period 3: step 0 calibrates, the resumed step 2 does not, so it trains with the
     bounds the checkpoint restored, and step 3's calibration count shows the restored counters."""
     period = "calib.period=3"
-    full = run_tiny(tmp_path / "a", "fp8_calibrated.yaml", "train.num_steps=4", period)
+    # and the health detector, rebuilt from the log (garbled_surge_step is set at step 1, before the
+    # resume): entropy threshold ~0 and patience 2 so its streak can move
+    health = ("health.entropy_rise=1e-9", "health.patience=2")
+    full = run_tiny(tmp_path / "a", "fp8_calibrated.yaml", "train.num_steps=4", period, *health)
     # a run stopped after step 2 (its checkpoint is the only state that survives), then resumed
-    run_tiny(tmp_path / "b", "fp8_calibrated.yaml", "train.num_steps=2", "checkpoint.save_every=2", period)
+    run_tiny(tmp_path / "b", "fp8_calibrated.yaml", "train.num_steps=2", "checkpoint.save_every=2", period, *health)
     (tmp_path / "b" / "run" / "checkpoints" / "step_000004.tmp").mkdir()  # a half-written save
     resumed = run_tiny(tmp_path / "b", "fp8_calibrated.yaml", "train.num_steps=4", "checkpoint.resume=true",
-                       period)
+                       period, *health)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert full[0]["calib/num_calibrations"] == 1 and "shadow/log_ratio_bf16_std" not in full[2]
     assert full[3]["calib/num_calibrations"] == 2
     for key in ("reward/mean", "pg_loss", "grad_norm", "entropy", "calib/low", "calib/high",
                 "calib/num_calibrations", "calib/num_skipped", "clip/low_neg", "mismatch/abs_logprob_diff",
-                "sync/version", "noise/log_ratio_std_at_old"):
+                "sync/version", "noise/log_ratio_std_at_old", "health/entropy_min", "health/entropy_rise",
+                "health/rise_streak", "health/surge", "health/surge_step", "health/garbled_rate",
+                "health/garbled_streak", "health/garbled_surge_step"):
         assert [r.get(key) for r in resumed[2:]] == [r.get(key) for r in full[2:]], key
 
 
