@@ -14,8 +14,9 @@ import yaml
 from megatron_rl.actor.settings import validate_parallel
 from megatron_rl.rollout.sglang_config import SGLangConfig, validate_sglang
 
-TRAIN_RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
-ROLLOUT_QUANTS = ("bf16", "fp8_blockwise", "fp8_tensorwise")
+TRAIN_RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "mxfp4")
+ROLLOUT_QUANTS = ("bf16", "fp8_blockwise", "fp8_tensorwise", "nvfp4", "mxfp4")
+FP4_ROLLOUT_QUANTS = ("nvfp4", "mxfp4")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
@@ -73,13 +74,17 @@ class PrecisionConfig:
     mixed-precision optimizer (FP32 main parameters and FP32 gradient accumulation), as Megatron-LM
     runs under --bf16. auto: bf16 on GPUs; on CPU what the CPU compatibility layer chooses."""
     train_recipe: str = "bf16"
-    """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8. On CPU the FP8 recipes are emulated."""
+    """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8 | nvfp4 | mxfp4. On CPU the FP8 and
+    FP4 recipes are emulated. nvfp4 (TE NVFP4BlockScaling) needs Blackwell on GPU; mxfp4 has no TE
+    recipe and runs on CPU only (docs/fp8.md, FP4)."""
     fp8_format: str = "hybrid"
-    """hybrid (E4M3 forward, E5M2 backward) | e4m3."""
+    """hybrid (E4M3 forward, E5M2 backward) | e4m3. Ignored by nvfp4 / mxfp4 (every operand E2M1)."""
     amax_history_len: int = 1024
     """Delayed scaling only: length of the amax history (TE DelayedScaling default)."""
     rollout_quant: str = "bf16"
-    """bf16 | fp8_blockwise (W8A8: weights 128x128, activations 1x128 dynamic) | fp8_tensorwise."""
+    """bf16 | fp8_blockwise (W8A8: weights 128x128, activations 1x128 dynamic) | fp8_tensorwise |
+    nvfp4 | mxfp4 (W4A4 emulation, rollout.engine=torch only: weights quantized once per sync,
+    activations dynamically; docs/fp8.md, Rollout W4A4)."""
     weight_block_size: list[int] = field(default_factory=lambda: [128, 128])
     scale_format: str = "fp32"
     """fp32 | ue8m0 (power-of-two scales, as DeepGEMM and Blackwell want)."""
@@ -405,6 +410,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ValueError(f"config key 'health.garbled_rate': must be in (0, 1], got {cfg.health.garbled_rate}")
     if cfg.rollout.engine == "sglang":
         validate_sglang(cfg.rollout.sglang)
+        if cfg.precision.rollout_quant in FP4_ROLLOUT_QUANTS:
+            raise ValueError(f"config key 'precision.rollout_quant': {cfg.precision.rollout_quant!r} (W4A4) "
+                             "is emulated by the torch rollout engine only; SGLang rollouts take bf16, "
+                             "fp8_blockwise or fp8_tensorwise (or set rollout.engine=torch)")
         if cfg.rollout.sglang.quantization == "fp8" and cfg.precision.rollout_quant == "fp8_blockwise":
             raise ValueError("config key 'rollout.sglang.quantization': 'fp8' quantizes a BF16 checkpoint online "
                              "per channel (weight_scale), so the blockwise updates of precision.rollout_quant="

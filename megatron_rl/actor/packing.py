@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 # Token-count multiples Transformer Engine's FP8 GEMMs need (NeMo-RL pads to the same values):
-# blockwise scales cover 128 tokens, MXFP8 32, and every FP8 GEMM asserts a multiple of 16.
-_RECIPE_MULTIPLE = {"blockwise": 128, "mxfp8": 32}
+# blockwise scales cover 128 tokens, MXFP8 and MXFP4 32, every FP8 GEMM asserts a multiple of 16,
+# and FP4 GEMMs want 32 (16-byte TMA rows of 4-bit values: megatron-core fp4_utils.get_fp4_align_size).
+_RECIPE_MULTIPLE = {"blockwise": 128, "mxfp8": 32, "nvfp4": 32, "mxfp4": 32}
 
 
 def pad_multiple(train_recipe: str, tp_size: int, sequence_parallel: bool) -> int:

@@ -25,8 +25,12 @@ CPU_PARAMS_DTYPE = "fp32"
 # Recipes Transformer Engine has no recipe object for: the actor runs them emulated (local spec).
 EMULATED_ONLY_RECIPES = ("rowwise",)
 
-# MXFP8 (1x32 blocks, E8M0 scales) runs natively on Blackwell only (compute capability 10.x).
+# MXFP8 (1x32 blocks, E8M0 scales) and NVFP4 run natively on Blackwell only (compute capability
+# 10.x): TE's kernels for both need sm100 tensor cores.
 MXFP8_MIN_CAPABILITY = (10, 0)
+NVFP4_MIN_CAPABILITY = (10, 0)
+# Recipes with no TE recipe that are not worth running emulated on a GPU either: CPU only.
+CPU_ONLY_RECIPES = ("mxfp4",)
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,10 @@ def _transformer_impl(cfg, cuda: bool) -> tuple[str, bool]:
     if impl == "transformer_engine" and not cuda:
         raise ValueError("config key 'parallel.transformer_impl': 'transformer_engine' needs CUDA; "
                          "use 'auto' or 'local' on CPU")
+    if cuda and recipe in CPU_ONLY_RECIPES:
+        raise ValueError(f"config key 'precision.train_recipe': {recipe!r} has no Transformer Engine "
+                         "recipe (TE trains FP4 only as nvfp4); it is a CPU emulation stress level. "
+                         "Use nvfp4 on Blackwell, or run on CPU")
     if impl == "transformer_engine" and recipe in EMULATED_ONLY_RECIPES:
         raise ValueError(f"config key 'precision.train_recipe': {recipe!r} has no Transformer "
                          "Engine recipe; set parallel.transformer_impl=local (or auto) to run it "
@@ -165,6 +173,10 @@ def check_device(settings: ResolvedSettings, recipe: str,
         raise ValueError(f"config key 'precision.train_recipe': 'mxfp8' needs a Blackwell GPU "
                          f"(compute capability 10.x), this device is {capability[0]}.{capability[1]}; "
                          "use blockwise on Hopper")
+    if recipe == "nvfp4" and tuple(capability) < NVFP4_MIN_CAPABILITY:
+        raise ValueError(f"config key 'precision.train_recipe': 'nvfp4' needs a Blackwell GPU "
+                         f"(compute capability 10.x), this device is {capability[0]}.{capability[1]}; "
+                         "use blockwise or tensorwise on Hopper")
 
 
 def plain_settings(tp: int = 1, pp: int = 1, *, params_dtype: str = "fp32",

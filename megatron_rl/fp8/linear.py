@@ -19,6 +19,9 @@ Tensor parallelism: per-tensor amaxes of sharded operands and rowwise amaxes alo
 contraction dim are MAX-all-reduced over TP, so TP=2 computes what TP=1 does. 1 x 128, 128 x 128
 and 1 x 32 groups never straddle shards when every shard's dims are multiples of the block;
 otherwise the shard edge splits a group and TP > 1 differs from TP = 1 (legitimately).
+
+FP4 recipes (nvfp4, mxfp4; fp4.py) quantize-dequantize each operand to float32 and matmul; nvfp4
+applies the RHT to both wgrad operands along the token dim first, as TE does.
 """
 
 import dataclasses
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_rl.fp8 import fp4
 from megatron_rl.fp8.delayed import DelayedScalingState
 from megatron_rl.fp8.formats import fp8_max
 from megatron_rl.fp8.kernels import AmaxReducer
@@ -142,6 +146,8 @@ def _tensor_scale(plan: Fp8Plan, role: str, t: torch.Tensor) -> Optional[torch.T
 
 def _gemm(plan: Fp8Plan, gemm: str, a: tuple, b: tuple) -> torch.Tensor:
     """A [M, K] @ B [N, K]^T in float32 from FP8 operands; a, b = (tensor, role, tensor_scale)."""
+    if plan.recipe.operand(a[1]).is_fp4:
+        return _gemm_fp4(plan, gemm, a, b)
     sharded_k = _SHARDED_CONTRACTION[plan.parallel_mode] == gemm
     qa, sa, spec_a = _quantize_operand(plan, a, sharded_k)
     qb, sb, spec_b = _quantize_operand(plan, b, sharded_k)
@@ -163,6 +169,34 @@ def _quantize_operand(plan: Fp8Plan, operand: tuple, sharded_k: bool):
     q, s = quantize(t, spec.granularity, spec.fp8_dtype, spec.block_size,
                     power_2_scale=spec.power_2_scale, amax_reducer=reducer)
     return q, s, spec
+
+
+def _gemm_fp4(plan: Fp8Plan, gemm: str, a: tuple, b: tuple) -> torch.Tensor:
+    """FP4 GEMM: fake-quantize both operands (RHT first in wgrad where the role asks), matmul fp32.
+
+    The RHT pair cancels in the product ((A R)(B R)^T = A B^T); a contraction dim that is not a
+    multiple of 16 is zero-padded first (zeros add nothing to the product; TE requires % 16).
+    """
+    (ta, role_a, _), (tb, role_b, _) = a, b
+    spec_a, spec_b = plan.recipe.operand(role_a), plan.recipe.operand(role_b)
+    if gemm == "wgrad" and spec_a.rht and spec_b.rht:
+        pad = -ta.shape[-1] % fp4.NVFP4_BLOCK
+        ta = fp4.random_hadamard_transform(F.pad(ta, (0, pad)))
+        tb = fp4.random_hadamard_transform(F.pad(tb, (0, pad)))
+    deq_a = _fake_quantize_fp4(plan, ta, role_a, spec_a)
+    deq_b = _fake_quantize_fp4(plan, tb, role_b, spec_b)
+    return deq_a @ deq_b.t()
+
+
+def _fake_quantize_fp4(plan: Fp8Plan, t: torch.Tensor, role: str, spec: OperandQuant):
+    """Quantize-dequantize one FP4 operand to float32. NVFP4's per-tensor global amax of a TP
+    shard is MAX-reduced over TP (as tensorwise scales are), so TP = 2 computes what TP = 1 does."""
+    if spec.granularity == "mxfp4":
+        return fp4.mxfp4_dequantize(*fp4.mxfp4_quantize(t))
+    reducer = plan.reduce_tp if role in _SHARDED_ROLES[plan.parallel_mode] else None
+    tile_2d = spec.block_size == (16, 16)
+    q, scale, global_amax = fp4.nvfp4_quantize(t, tile_2d, amax_reducer=reducer)
+    return fp4.nvfp4_dequantize(q, scale, global_amax, tile_2d)
 
 
 def _scaled_mm_applies(qa: torch.Tensor, spec_a: OperandQuant, spec_b: OperandQuant) -> bool:

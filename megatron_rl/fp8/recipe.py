@@ -12,8 +12,13 @@ for each role ("input", "weight", "grad_output"), the granularity, FP8 dtype and
 | rowwise    | per row           | per row             | per row            | (none; emulated)     |
 | blockwise  | 1 x 128           | 128 x 128           | 1 x 128            | Float8BlockScaling   |
 | mxfp8      | 1 x 32, E8M0      | 1 x 32, E8M0        | 1 x 32, E8M0       | MXFP8BlockScaling    |
+| nvfp4      | 1 x 16 E4M3 + FP32 | 16 x 16 E4M3 + FP32 | 1 x 16 E4M3 + FP32 | NVFP4BlockScaling   |
+| mxfp4      | 1 x 32, E8M0      | 1 x 32, E8M0        | 1 x 32, E8M0       | (none; emulated)     |
 
-fp8_format "hybrid": input and weight E4M3, grad_output E5M2; "e4m3": all E4M3.
+fp8_format "hybrid": input and weight E4M3, grad_output E5M2; "e4m3": all E4M3. The FP4 recipes
+(nvfp4, mxfp4) store every operand in E2M1 and ignore fp8_format (either value is accepted, so a
+config can switch recipes without touching it). nvfp4 applies TE's RHT to the wgrad operands
+(input and grad_output in their columnwise use); fp4.py has the arithmetic.
 """
 
 import dataclasses
@@ -22,7 +27,9 @@ import torch
 from megatron_rl.fp8.formats import E4M3, E5M2
 from megatron_rl.fp8.quantization import BlockSize
 
-RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
+RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "mxfp4")
+FP4_RECIPES = ("nvfp4", "mxfp4")
+FP4_GRANULARITIES = ("nvfp4", "mxfp4")
 FORMATS = ("hybrid", "e4m3")
 ROLES = ("input", "weight", "grad_output")
 AMAX_ALGOS = ("max", "most_recent")
@@ -39,6 +46,13 @@ class OperandQuant:
     # Per-tensor scale taken from the amax history instead of the current tensor.
     delayed: bool = False
     power_2_scale: bool = False
+    # FP4 granularities only: random Hadamard transform before quantizing, in the wgrad GEMM.
+    rht: bool = False
+
+    @property
+    def is_fp4(self) -> bool:
+        """E2M1 elements (granularity nvfp4 / mxfp4); fp8_dtype is then unused."""
+        return self.granularity in FP4_GRANULARITIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +60,9 @@ class Fp8Recipe:
     """A training FP8 recipe; `Fp8Recipe()` is bf16 (quantization off)."""
 
     name: str = "bf16"
-    """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8 (the contract's train_recipe)."""
+    """bf16 | delayed | tensorwise | rowwise | blockwise | mxfp8 | nvfp4 | mxfp4 (train_recipe)."""
     fp8_format: str = "hybrid"
-    """hybrid (E4M3 forward, E5M2 grads) | e4m3 (E4M3 everywhere)."""
+    """hybrid (E4M3 forward, E5M2 grads) | e4m3 (E4M3 everywhere). Ignored by nvfp4 / mxfp4."""
     amax_history_len: int = 1024
     """delayed: length of the amax history window (TE DelayedScaling default 1024)."""
     amax_compute_algo: str = "max"
@@ -102,6 +116,8 @@ class Fp8Recipe:
         if not self.enabled:
             raise ValueError("train_recipe='bf16' has no FP8 operands")
         dtype = self.backward_dtype if role == "grad_output" else self.forward_dtype
+        if self.name in FP4_RECIPES:
+            dtype = E4M3  # unused by FP4 operands (NVFP4's block scales are E4M3)
         return OperandQuant(fp8_dtype=dtype, **_LAYOUT[self.name](self, role))
 
 
@@ -131,11 +147,24 @@ def _layout_mxfp8(recipe: Fp8Recipe, role: str) -> dict:
     return {"granularity": "mxfp8", "block_size": MX_BLOCK}
 
 
+def _layout_nvfp4(recipe: Fp8Recipe, role: str) -> dict:
+    # TE NVFP4BlockScaling: 2-D 16 x 16 weight tiles, RHT for input and grad_output in wgrad.
+    if role == "weight":
+        return {"granularity": "nvfp4", "block_size": (16, 16)}
+    return {"granularity": "nvfp4", "block_size": 16, "rht": True}
+
+
+def _layout_mxfp4(recipe: Fp8Recipe, role: str) -> dict:
+    return {"granularity": "mxfp4", "block_size": MX_BLOCK}
+
+
 _LAYOUT = {
     "delayed": _layout_per_tensor,
     "tensorwise": _layout_per_tensor,
     "rowwise": _layout_rowwise,
     "blockwise": _layout_blockwise,
     "mxfp8": _layout_mxfp8,
+    "nvfp4": _layout_nvfp4,
+    "mxfp4": _layout_mxfp4,
 }
 

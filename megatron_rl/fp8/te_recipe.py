@@ -12,7 +12,13 @@ input). Embedding, output layer, norms, attention softmax stay in high precision
 | tensorwise   | Float8CurrentScaling  | "tensorwise"        | fp32 per tensor, current amax    |
 | blockwise    | Float8BlockScaling    | "blockwise"         | fp32 per 1x128 / 128x128 block   |
 | mxfp8        | MXFP8BlockScaling     | "mxfp8"             | E8M0 per 1x32 block (Blackwell)  |
+| nvfp4        | NVFP4BlockScaling     | fp4="e2m1", "nvfp4" | E4M3 per 1x16 / 16x16 + FP32     |
 | rowwise      | (none)                | (none)              | emulated layers only             |
+| mxfp4        | (none)                | (none)              | emulated layers only (CPU)       |
+
+nvfp4 runs TE's defaults (16x16 weight tiles, RHT on the wgrad operands) except stochastic
+rounding of gradients, which is disabled so the GPU matches the emulation's round-to-nearest
+(fp4.py cannot reproduce TE's RNG). Blackwell only (actor/settings.py check_device).
 
 Transformer Engine is imported only inside functions here; nothing else in the package does.
 """
@@ -24,6 +30,8 @@ import torch
 from megatron_rl.fp8.recipe import Fp8Recipe
 
 TE_BLOCK = 128  # Float8BlockScaling's fixed 1x128 / 128x128 block
+NVFP4_ENVIRONMENT = {"NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0",
+                     "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "1"}
 _MEGATRON_RECIPE = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise",
                     "mxfp8": "mxfp8"}
 
@@ -52,6 +60,9 @@ def build_te_recipe(recipe: Fp8Recipe):
     except ImportError as err:
         raise ImportError("build_te_recipe needs transformer_engine (pip install "
                           "'megatron_rl[gpu]' on a CUDA machine)") from err
+    if recipe.name == "nvfp4":
+        return te_recipe.NVFP4BlockScaling(disable_rht=False, disable_2d_quantization=False,
+                                           disable_stochastic_rounding=True)
     fmt = te_recipe.Format.HYBRID if recipe.fp8_format == "hybrid" else te_recipe.Format.E4M3
     if recipe.name == "delayed":
         return te_recipe.DelayedScaling(margin=recipe.margin, fp8_format=fmt,
@@ -80,6 +91,9 @@ def megatron_fp8_kwargs(recipe: Fp8Recipe) -> dict:
     if not recipe.enabled:
         return {"fp8": None}
     _check_te_mappable(recipe)
+    if recipe.name == "nvfp4":
+        # Megatron builds NVFP4BlockScaling() from these; its flags come from te_environment.
+        return {"fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4", "fp4_param": False}
     return {
         "fp8": recipe.fp8_format,
         "fp8_recipe": _MEGATRON_RECIPE[recipe.name],
@@ -94,9 +108,13 @@ def megatron_fp8_kwargs(recipe: Fp8Recipe) -> dict:
 def te_environment(recipe: Fp8Recipe) -> dict:
     """Environment variables TE reads at import time to follow `recipe` (set them in the launcher).
 
+    nvfp4: NVFP4BlockScaling reads its disable_* flags from NVTE_NVFP4_* at import (class
+    attributes); RHT and 2-D weight tiles on, stochastic rounding off (see the module docstring).
     NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 makes Float8BlockScaling use FP32 (not power-of-two)
     scales; NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES does the converse for tensorwise.
     """
+    if recipe.name == "nvfp4":
+        return dict(NVFP4_ENVIRONMENT)
     if recipe.name == "blockwise":
         return {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0" if recipe.power_2_scales else "1"}
     if recipe.name == "tensorwise":
@@ -114,6 +132,9 @@ def _check_te_mappable(recipe: Fp8Recipe) -> None:
         raise ValueError(f"recipe={recipe!r} is not an Fp8Recipe")
     if not recipe.enabled:
         raise ValueError("train_recipe='bf16' has no Transformer Engine recipe")
+    if recipe.name == "mxfp4":
+        raise ValueError("train_recipe='mxfp4' has no Transformer Engine recipe (TE trains FP4 only "
+                         "as nvfp4); it runs on CPU on the emulated layers only, as a stress level")
     if recipe.name == "rowwise":
         raise ValueError("train_recipe='rowwise' has no Transformer Engine recipe; it runs on the "
                          "emulated FP8 layers (megatron_rl.models.fp8_layers)")

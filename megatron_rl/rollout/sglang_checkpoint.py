@@ -62,6 +62,9 @@ def rollout_quant_spec(cfg) -> RolloutQuantSpec:
     sg = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang":
         return RolloutQuantSpec.from_config(cfg.precision)
+    if cfg.precision.rollout_quant in ("nvfp4", "mxfp4"):
+        raise ValueError(f"config key 'precision.rollout_quant': {cfg.precision.rollout_quant!r} (W4A4) is "
+                         "emulated by the torch rollout engine only; SGLang takes bf16 or FP8")
     spec = spec_from_checkpoint(sg.model_path, cfg.precision) if sg.model_path else RolloutQuantSpec.from_config(cfg.precision)
     return dataclasses.replace(spec, unquantized_dtype="bfloat16")
 

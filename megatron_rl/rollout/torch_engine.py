@@ -16,7 +16,9 @@ Weights arrive as SGLang would receive them from slime/verl: HF names; linear we
 precision (`X.weight`, quantized here when the precision contract says fp8) or already FP8
 (`X.weight` float8_e4m3fn + `X.weight_scale_inv` blockwise, or `X.weight_scale` tensorwise);
 embeddings, norms and lm_head in high precision. With rollout_quant != "bf16" the linear layers
-run W8A8 emulation (megatron_rl.fp8.w8a8), so the train-inference mismatch is real.
+run W8A8 emulation (megatron_rl.fp8.w8a8), or W4A4 for nvfp4 / mxfp4 (megatron_rl.fp8.w4a4; their
+weights always arrive in high precision and are quantized here), so the train-inference mismatch
+is real.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ from torch import nn
 
 from megatron_rl.rollout.base import RolloutEngine, Sample, SamplingParams, tensor_digest
 
-ROLLOUT_QUANTS = ("bf16", "fp8_blockwise", "fp8_tensorwise")
+ROLLOUT_QUANTS = ("bf16", "fp8_blockwise", "fp8_tensorwise", "nvfp4", "mxfp4")
+FP4_QUANTS = ("nvfp4", "mxfp4")  # W4A4: weights arrive in high precision, quantized on arrival
 SCALE_FORMATS = ("fp32", "ue8m0")
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_LEAF = {"fp8_blockwise": "weight_scale_inv", "fp8_tensorwise": "weight_scale"}  # FP8 checkpoint names
+# Held tensors a quantized linear rewrites on every weight load.
+QUANTIZED_LEAVES = {"fp8_blockwise": ("weight", "weight_scale_inv"), "fp8_tensorwise": ("weight", "weight_scale"),
+                    "nvfp4": ("weight", "weight_scale", "weight_amax"), "mxfp4": ("weight", "weight_scale")}
 
 
 def _load_model(hf_model_or_dir: Any, dtype: torch.dtype, device: str) -> nn.Module:
@@ -81,7 +87,8 @@ class TorchRolloutEngine(RolloutEngine):
     Args:
         hf_model_or_dir: a transformers causal LM (deep-copied) or a folder with safetensors weights.
         rollout_quant: "bf16" (no quantization; the model runs in `dtype`) | "fp8_blockwise" |
-            "fp8_tensorwise" (W8A8 emulation of every linear outside `high_precision`).
+            "fp8_tensorwise" (W8A8 emulation of every linear outside `high_precision`) | "nvfp4" |
+            "mxfp4" (W4A4 emulation, megatron_rl.fp8.w4a4).
         weight_block_size: (rows, cols) of a weight scale block, blockwise only.
         scale_format: "fp32" | "ue8m0" (power-of-two scales).
         high_precision: HF-name substrings of modules never quantized (lm_head always, when tied).
@@ -142,14 +149,17 @@ class TorchRolloutEngine(RolloutEngine):
         return patterns
 
     def _quantize_linears(self) -> dict[str, nn.Module]:
-        """Swap quantizable nn.Linear modules for W8A8 ones; {HF module name: module}."""
-        from megatron_rl.fp8 import w8a8
+        """Swap quantizable nn.Linear modules for W8A8 / W4A4 ones; {HF module name: module}."""
+        from megatron_rl.fp8 import w4a4, w8a8
 
         patterns = self.high_precision
 
         def skip(name: str, module: nn.Module) -> bool:  # the contract's list plus routers (default_skip)
             return w8a8.default_skip(name, module) or any(p in name for p in patterns)
 
+        if self.rollout_quant in FP4_QUANTS:
+            w4a4.quantize_model_w4a4(self.model, self.rollout_quant, skip=skip)
+            return {n: m for n, m in self.model.named_modules() if isinstance(m, w4a4.W4A4Linear)}
         w8a8.quantize_model_w8a8(
             self.model, self.weight_block_size, self.scale_format, skip=skip,
             mode=self.rollout_quant.removeprefix("fp8_"),
@@ -324,6 +334,9 @@ class TorchRolloutEngine(RolloutEngine):
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         module_name, _, leaf = name.rpartition(".")
         is_fp8_part = tensor.dtype in FP8_DTYPES or leaf in ("weight_scale_inv", "weight_scale")
+        if is_fp8_part and self.rollout_quant in FP4_QUANTS:
+            raise ValueError(f"tensor {name!r} ({tensor.dtype}): rollout_quant={self.rollout_quant!r} takes "
+                             "high-precision linear weights and quantizes them itself; send X.weight only")
         if module_name in self._quantized and is_fp8_part:
             self._stage_fp8(module_name, leaf, tensor)
         elif module_name in self._quantized and leaf == "weight":
@@ -377,7 +390,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._mark_quantized_updated(module_name)
 
     def _mark_quantized_updated(self, module_name: str) -> None:
-        self._updated.update((f"{module_name}.weight", f"{module_name}.{SCALE_LEAF[self.rollout_quant]}"))
+        self._updated.update(f"{module_name}.{leaf}" for leaf in QUANTIZED_LEAVES[self.rollout_quant])
 
     @staticmethod
     def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:

@@ -15,7 +15,9 @@ class RolloutQuantSpec:
     """What the engine expects to receive: read from the `precision` config section.
 
     Attributes:
-        rollout_quant: "bf16" | "fp8_blockwise" | "fp8_tensorwise".
+        rollout_quant: "bf16" | "fp8_blockwise" | "fp8_tensorwise" | "nvfp4" | "mxfp4". The FP4
+            modes (torch engine only) ship linear weights in high precision: the engine quantizes
+            each weight once on arrival (fp8/w4a4.py), so nothing FP4 travels on the wire.
         weight_block_size: (rows, cols) of one weight scale block (blockwise only).
         scale_format: "fp32" | "ue8m0" (power-of-two block scales).
         high_precision: HF-name substrings of tensors that are never quantized.
@@ -36,8 +38,8 @@ class RolloutQuantSpec:
                    precision.scale_format, tuple(precision.high_precision))
 
     def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
-        """Only 2-D linear weights outside the high-precision list are quantized."""
-        if self.rollout_quant == "bf16" or tensor.dim() != 2 or not name.endswith(".weight"):
+        """Only 2-D linear weights outside the high-precision list are quantized (FP8 modes only)."""
+        if self.rollout_quant in ("bf16", "nvfp4", "mxfp4") or tensor.dim() != 2 or not name.endswith(".weight"):
             return False
         return not any(part in name for part in self.high_precision)
 

@@ -74,3 +74,15 @@ def test_mxfp8_needs_blackwell():
     check_device(s, "mxfp8", (10, 0))
     check_device(s, "blockwise", (9, 0))
     check_device(resolve_settings(_cfg("precision.train_recipe=mxfp8"), cuda=False), "mxfp8", None)
+
+
+def test_nvfp4_needs_blackwell_and_mxfp4_is_cpu_only():
+    s = resolve_settings(_cfg("precision.train_recipe=nvfp4"), cuda=True)
+    assert s.transformer_impl == "transformer_engine" and not s.fp8_emulated
+    with pytest.raises(ValueError, match="'nvfp4' needs a Blackwell GPU"):
+        check_device(s, "nvfp4", (9, 0))
+    check_device(s, "nvfp4", (10, 0))
+    with pytest.raises(ValueError, match="precision.train_recipe.*'mxfp4' has no Transformer Engine"):
+        resolve_settings(_cfg("precision.train_recipe=mxfp4"), cuda=True)
+    cpu = resolve_settings(_cfg("precision.train_recipe=mxfp4"), cuda=False)
+    assert cpu.transformer_impl == "local" and cpu.fp8_emulated

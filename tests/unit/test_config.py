@@ -65,3 +65,13 @@ def test_cli_help(capsys):
         main(["--help"])
     assert exc.value.code == 0
     assert "megatron-rl train" in capsys.readouterr().out
+
+
+def test_fp4_recipes_and_rollout_quant():
+    cfg = load_config(None, ["precision.train_recipe=nvfp4", "precision.rollout_quant=mxfp4"])
+    assert (cfg.precision.train_recipe, cfg.precision.rollout_quant) == ("nvfp4", "mxfp4")
+    load_config(None, ["precision.train_recipe=mxfp4", "precision.fp8_format=e4m3"])  # ignored, valid
+    with pytest.raises(ValueError, match="precision.train_recipe"):
+        load_config(None, ["precision.train_recipe=fp4"])
+    with pytest.raises(ValueError, match="precision.rollout_quant.*'nvfp4'.*torch rollout engine only"):
+        load_config(None, ["rollout.engine=sglang", "precision.rollout_quant=nvfp4"])

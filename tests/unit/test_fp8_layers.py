@@ -31,7 +31,8 @@ def build_pair(mp_config, recipe, bias=True):
     return layer, plain
 
 
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise", "mxfp8", "delayed"])
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise", "mxfp8", "delayed", "nvfp4",
+                                  "mxfp4"])
 def test_column_parallel_matches_emulated_linear_at_tp1(mp_config, name):
     recipe = Fp8Recipe(name, block_size=32)
     layer, plain = build_pair(mp_config, recipe)

@@ -73,3 +73,21 @@ def test_build_te_recipe_without_te_raises_import_error():
             build_te_recipe(Fp8Recipe("blockwise"))
     else:
         pytest.skip("transformer_engine is installed: tests/gpu covers build_te_recipe")
+
+
+def test_nvfp4_maps_to_megatron_fp4_and_mxfp4_has_no_te_recipe(monkeypatch):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = megatron_fp8_kwargs(Fp8Recipe("nvfp4"))
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **kwargs)
+    assert config.fp8 is None and config.fp4 == "e2m1" and config.fp4_recipe == "nvfp4"
+    assert config.fp4_param is False
+    # Megatron builds NVFP4BlockScaling() itself: its flags come from the environment.
+    assert te_environment(Fp8Recipe("nvfp4")) == {
+        "NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0",
+        "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "1"}
+    monkeypatch.delenv("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", raising=False)
+    assert te_environment_mismatches(Fp8Recipe("nvfp4")) == {"NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "1"}
+    for call in (megatron_fp8_kwargs, build_te_recipe):
+        with pytest.raises(ValueError, match="train_recipe='mxfp4' has no Transformer Engine recipe"):
+            call(Fp8Recipe("mxfp4"))
