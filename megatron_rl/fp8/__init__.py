@@ -1,4 +1,4 @@
-"""FP8 numerics: formats, quantizers, recipes, the emulated FP8 linear and the shadow switch.
+"""FP8 and FP4 numerics: formats, quantizers, recipes, the emulated linear and the shadow switch.
 
 Importing this package touches only torch: Transformer Engine is imported by te_recipe.py's
 functions, Megatron-Core by megatron_rl.models.fp8_layers. docs/fp8.md explains the numerics.

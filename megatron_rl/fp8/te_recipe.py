@@ -51,8 +51,9 @@ def te_available() -> bool:
 def build_te_recipe(recipe: Fp8Recipe):
     """The transformer_engine.common.recipe object for `recipe` (for te.fp8_autocast).
 
-    Raises ValueError for bf16 and rowwise (no TE recipe: rowwise runs emulated) and for a
-    blockwise block_size other than TE's 128; ImportError when TE is not installed.
+    Raises ValueError for bf16, rowwise and mxfp4 (no TE recipe: they run emulated) and for a
+    blockwise block_size other than TE's 128; ImportError when TE is not installed. nvfp4 gives
+    NVFP4BlockScaling with RHT and 2-D weight tiles on and stochastic rounding off.
     """
     _check_te_mappable(recipe)
     try:

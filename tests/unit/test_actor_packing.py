@@ -12,6 +12,7 @@ def test_pad_multiple_by_recipe_and_sequence_parallel():
     assert pad_multiple("mxfp8", 4, False) == 32
     assert pad_multiple("mxfp8", 4, True) == 128
     assert pad_multiple("bf16", 2, True) == 32 and pad_multiple("delayed", 8, False) == 16
+    assert pad_multiple("nvfp4", 1, False) == 32 and pad_multiple("mxfp4", 2, True) == 64
 
 
 def test_plan_packs_first_fit_decreasing_by_hand():

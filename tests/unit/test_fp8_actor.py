@@ -101,6 +101,27 @@ def test_fp8_train_step_gradients_and_delayed_history(actors):
     assert layer.fp8_state.num_updates.tolist() == [2, 2, 2]
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_fp4_actor_forward_and_train_step(actors, qwen3_dir, single_parallel, name):
+    """The FP4 recipes through the whole Megatron model: finite log-probs further from BF16 than
+    blockwise FP8's, and a full backward with a finite gradient norm near BF16's."""
+    from megatron_rl.actor.actor import MegatronActor
+
+    actor = MegatronActor.build(qwen3_dir, parallel=single_parallel, fp8_recipe=Fp8Recipe(name))
+    batch = make_batch(6)
+    ref = logprobs(actors["bf16"], batch)
+    fp4_err = error_row(logprobs(actor, batch), ref)
+    fp8_err = error_row(logprobs(actors["blockwise"], batch), ref)
+    assert math.isfinite(fp4_err["max_abs"]) and fp8_err["mean_abs"] < fp4_err["mean_abs"] < 1.0, (
+        fp4_err, fp8_err)
+    assert torch.equal(logprobs(actor, batch, fp8=False), ref)  # the shadow is still exact
+    actors["bf16"].set_lr(0.0)
+    ref_norm = actors["bf16"].train_step(batch, nll_loss, micro_batch_size=2)["grad_norm"]
+    actor.set_lr(0.0)
+    norm = actor.train_step(batch, nll_loss, micro_batch_size=2)["grad_norm"]
+    assert math.isfinite(norm) and abs(norm - ref_norm) / ref_norm < 0.3, (norm, ref_norm)
+
+
 def test_delayed_state_survives_distributed_checkpoint(qwen3_dir, single_parallel, tmp_path):
     from megatron_rl.actor.actor import MegatronActor
 
@@ -137,7 +158,7 @@ def _print_table() -> None:
     print(f"bf16: max |logp(mbs=1) - logp(mbs=4)| = {bf16_spread:.2e}")
     print("| recipe | mean abs dlogp | max abs dlogp | token_mult_prob_error | mbs 1 vs 4 |")
     print("|---|---|---|---|---|")
-    for name in RECIPES:  # forward passes only: fp8_format (grads) does not matter here
+    for name in RECIPES + ("nvfp4", "mxfp4"):  # forward only: fp8_format (grads) does not matter
         recipe = Fp8Recipe.from_contract(name, "hybrid", block_size=32)
         actor = MegatronActor.build(folder, parallel=parallel, fp8_recipe=recipe)
         row = error_row(logprobs(actor, batch), ref)
