@@ -19,6 +19,7 @@ import torch
 from _launch import run_distributed
 
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
+FP4_RECIPES = ("nvfp4", "mxfp4")  # 1x16 / 16x16 / 1x32 groups align with the 64-wide shards
 M, K, N = 64, 64, 128  # tokens, in, out of the column layer (the row layer is N -> K)
 ACTOR_CASES = {"blockwise32": ("blockwise", 32), "mxfp8": ("mxfp8", 32),
                "tensorwise": ("tensorwise", 128), "rowwise": ("rowwise", 128),
@@ -83,7 +84,7 @@ def layer_cases(rank: int, groups: dict, config) -> dict:
         col = {"x": grid(M, K, 0)[:, None], "w": w_col, "dy": grid(M, N, 2, low)[:, None]}
         row = {"x": grid(M, N, 3, low)[:, None], "w": grid(K, N, 4, low),
                "dy": grid(M, K, 5)[:, None]}
-        for name in RECIPES:
+        for name in RECIPES + FP4_RECIPES:
             recipe = Fp8Recipe(name, "hybrid", block_size=32)
             steps = 2 if name == "delayed" else 1  # step 2 quantizes with the recorded history
             for kind, d in (("column", col), ("row", row)):
@@ -95,7 +96,7 @@ def layer_cases(rank: int, groups: dict, config) -> dict:
                     args = (shard(d["x"], 2, rank), shard(d["w"], 1, rank), d["dy"])
                     want = (ref[0], shard(ref[1], 2, rank), shard(ref[2], 1, rank))
                 for control in (False, True):
-                    if control and name not in ("tensorwise", "rowwise"):
+                    if control and name not in ("tensorwise", "rowwise", "nvfp4"):
                         continue
                     got = run_layer(kind, recipe, groups["tp2"], config, *args, steps, control)
                     diff = max((g - r).abs().max().item() for g, r in zip(got, want))
@@ -172,6 +173,20 @@ def test_per_tensor_and_rowwise_need_the_tp_amax_reduction(distributed, name):
         if name != "delayed":
             without = max(lay[("lopsided", name, kind, "no_tp_reduce")] for lay in layers)
             assert without > 100 * max(with_reduce, 1e-5), (kind, without)
+
+
+def test_fp4_tp2_matches_tp1(distributed):
+    """MXFP4 on grid data is exact (E8M0 scale 1, E2M1 values), so bitwise. NVFP4's per-tensor
+    global amax is all-reduced over TP; its wgrad RHT makes the GEMM sums inexact, so TP=2 equals
+    TP=1 up to fp32 summation order (products up to ~7 * 7 * 64), and without the reduction the
+    lopsided shards get other block scales."""
+    layers = [distributed[r]["layers"] for r in (0, 1)]
+    for kind in ("column", "row"):
+        assert max(lay[("grid", "mxfp4", kind, "tp2")] for lay in layers) == 0.0, kind
+        for data in ("grid", "lopsided"):
+            assert max(lay[(data, "nvfp4", kind, "tp2")] for lay in layers) <= 1e-3, (data, kind)
+        without = max(lay[("lopsided", "nvfp4", kind, "no_tp_reduce")] for lay in layers)
+        assert without > 0.1, (kind, without)
 
 
 def test_actor_tp2_matches_tp1_where_blocks_align(distributed, reference):
