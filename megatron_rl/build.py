@@ -51,6 +51,15 @@ class Run:
             return 0
         return self.checkpointer.load_latest(self)
 
+    def plant_outliers(self) -> None:
+        """model.outlier_channels > 0: plant the outliers (actor/outliers.py). Call on a fresh start
+        only, before the first weight sync, so the engine and every checkpoint get planted weights."""
+        m = self.cfg.model
+        if m.outlier_channels:
+            channels = self.actor.plant_outliers(m.outlier_channels, m.outlier_scale, seed=self.cfg.train.seed)
+            if self.is_log_rank:
+                log.info("planted activation outliers x%g in hidden channels %s", m.outlier_scale, channels)
+
     def save_due(self, step: int) -> bool:
         every = self.cfg.checkpoint.save_every
         last = step == self.cfg.train.num_steps - 1

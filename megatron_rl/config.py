@@ -34,6 +34,13 @@ class ModelConfig:
     tiny_num_heads: int = 4
     tiny_num_kv_heads: int = 2
     tiny_ffn_hidden_size: int = 256
+    outlier_channels: int = 0
+    """Stress lever: plant LLM-like activation outliers in this many hidden channels of every
+    pre-attention / pre-MLP norm output, by an exact reparameterization applied once before the
+    first weight sync of a fresh run (actor/outliers.py, docs/fp8.md). 0 = off."""
+    outlier_scale: float = 32.0
+    """Factor s >= 1 of the planted channels. 32: LLM.int8()-sized (20-100x the median), which E4M3's
+    exponent absorbs; FP8 errors grow from about 2^15 (massive activations). A power of two is exact."""
 
 
 @dataclass
@@ -408,6 +415,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ValueError(f"config key 'health.warmup_steps': must be >= 0, got {cfg.health.warmup_steps}")
     if not 0.0 < cfg.health.garbled_rate <= 1.0:
         raise ValueError(f"config key 'health.garbled_rate': must be in (0, 1], got {cfg.health.garbled_rate}")
+    _validate_outliers(cfg.model)
     if cfg.rollout.engine == "sglang":
         validate_sglang(cfg.rollout.sglang)
         if cfg.precision.rollout_quant in FP4_ROLLOUT_QUANTS:
@@ -433,6 +441,17 @@ def _validate_token_budget(cfg: RunConfig) -> None:
         raise ValueError(f"config key 'train.max_tokens_per_micro_batch': {t.max_tokens_per_micro_batch} "
                          f"must be 0 (off) or hold the longest sequence, data.max_prompt_len + "
                          f"rollout.max_new_tokens = {longest}")
+
+
+def _validate_outliers(m: ModelConfig) -> None:
+    """Bounds known before the model is read; hf_dir's hidden size is checked when planting."""
+    if m.outlier_channels < 0:
+        raise ValueError(f"config key 'model.outlier_channels': must be >= 0, got {m.outlier_channels}")
+    if not m.hf_dir and m.outlier_channels > m.tiny_hidden_size:
+        raise ValueError(f"config key 'model.outlier_channels': {m.outlier_channels} exceeds the hidden size "
+                         f"(model.tiny_hidden_size={m.tiny_hidden_size})")
+    if not m.outlier_scale >= 1.0:
+        raise ValueError(f"config key 'model.outlier_scale': must be >= 1, got {m.outlier_scale}")
 
 
 def _validate_calib(cfg: RunConfig) -> None:

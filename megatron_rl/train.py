@@ -65,6 +65,8 @@ def run(cfg: RunConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
         start = run_.resume_step()
+        if start == 0:  # a resumed run's checkpoint holds the planted weights already
+            run_.plant_outliers()
         detector = _surge_detector(run_)
         memory.before_sync()
         run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format

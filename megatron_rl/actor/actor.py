@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor import build as _build
-from megatron_rl.actor import weights
+from megatron_rl.actor import outliers, weights
 from megatron_rl.actor.batch import split_micro_batches, validate_batch
 from megatron_rl.actor.forward import LossFn, compute_device, make_forward_step, unwrap_model
 from megatron_rl.actor.offload import StorageOffloader
@@ -112,6 +112,16 @@ class MegatronActor:
             named_tensors = named_tensors.items()
         weights.load_hf_tensors(self._params, named_tensors, self.spec, self.parallel)
         self._reload_main_params()
+
+    def plant_outliers(self, num_channels: int, scale: float, seed: int) -> list[int]:
+        """Plant activation outliers (actor/outliers.py) in this rank's weights; returns the channels.
+
+        The model's function is unchanged; run it once, on a fresh start (a checkpoint holds the
+        planted weights already)."""
+        channels = outliers.choose_outlier_channels(self.spec.hidden_size, num_channels, seed)
+        outliers.plant_outliers(self._params, channels, scale)
+        self._reload_main_params()
+        return channels
 
     def finish_param_sync(self) -> None:
         """Complete the distributed optimizer's parameter all-gather before weights are read

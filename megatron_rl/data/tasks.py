@@ -1,21 +1,26 @@
-"""Built-in verifiable tasks (sort, reverse, add) for the tiny CPU demo, with SFT warm-start data.
+"""Built-in verifiable tasks (sort, reverse, add, chain) for the tiny CPU demo, with SFT warm-start data.
 
 Prompts are short character strings for the character tokenizer (`char_tokenizer.py`):
 
     sort:31415=   -> 11345      (sort the digits ascending)
     rev:31415=    -> 51413      (reverse the digits)
     add:47+38=    -> 85         (sum of two n-digit numbers, no leading zeros)
+    sum:7+5+9+3=  -> 7+5=12,12+9=21,21+3=24:24   (worked running sum, final answer after the last ':')
 
 After ~100 SFT steps a 0.4M-parameter model gets about half of sort / reverse exactly right
 (docs/data.md has the measurements), so GRPO groups have reward variance from the first step;
 add is the harder task. `exact_match` is each task's reward; `position_match` (fraction of
 correct characters) is the partial-credit option; `valid_format` says whether a response is
 well-formed at all (its failure rate is the run's health/garbled_rate, docs/health.md).
+chain is the long-answer task (19-25 characters) rewarded on its final answer only
+(`final_answer`); it writes only characters of the tokenizer's original alphabet (no ';' or '#'),
+so adding it changed no token id and no other task's model.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -73,14 +78,35 @@ def _add_example(rng: random.Random, num_digits: int) -> tuple[str, str]:
     return f"add:{a}+{b}=", str(a + b)
 
 
+def _chain_example(rng: random.Random, num_terms: int, num_digits: int) -> tuple[str, str]:
+    low, high = (0 if num_digits == 1 else 10 ** (num_digits - 1)), 10**num_digits - 1
+    terms = [rng.randint(low, high) for _ in range(num_terms)]
+    steps, total = [], terms[0]
+    for term in terms[1:]:
+        steps.append(f"{total}+{term}={total + term}")
+        total += term
+    return "sum:" + "+".join(map(str, terms)) + "=", ",".join(steps) + f":{total}"
+
+
+_CHAIN_RE = re.compile(r"\d+\+\d+=\d+(,\d+\+\d+=\d+)*:\d+", re.ASCII)
+
+
+def chain_valid_format(response: str) -> bool:
+    """A worked chain `a+b=c,c+d=e:e` (digits only, at least one step), arithmetic not checked."""
+    return _CHAIN_RE.fullmatch(response.strip()) is not None
+
+
 # Format checks follow the default options, the ones an RL run generates (the data section has no
 # option keys): sort / reverse answers have the prompt's 3..6 digits; the sum of two 2-digit
-# numbers has 2 or 3 digits (20..198) and no leading zero.
+# numbers has 2 or 3 digits (20..198) and no leading zero; a chain has the
+# worked shape whatever its options.
 TASKS: dict[str, TaskSpec] = {
     "sort": TaskSpec("sort", _sort_example, {"min_len": 3, "max_len": 6}, valid_format=digit_string(3, 6)),
     "reverse": TaskSpec("reverse", _reverse_example, {"min_len": 3, "max_len": 6},
                         valid_format=digit_string(3, 6)),
     "add": TaskSpec("add", _add_example, {"num_digits": 2}, valid_format=digit_string(2, 3, leading_zero=False)),
+    "chain": TaskSpec("chain", _chain_example, {"num_terms": 4, "num_digits": 1}, reward_fn="final_answer",
+                      valid_format=chain_valid_format),
 }
 
 
@@ -99,6 +125,8 @@ def _resolve_options(spec: TaskSpec, options: dict[str, int]) -> dict[str, int]:
     for key, value in merged.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"task {spec.name!r} option {key}={value!r} must be a positive int")
+    if merged.get("num_terms", 2) < 2:
+        raise ValueError(f"task {spec.name!r} option num_terms={merged['num_terms']} must be >= 2 (one step at least)")
     if merged.get("min_len", 0) > merged.get("max_len", 1 << 30):
         raise ValueError(f"task {spec.name!r}: min_len={merged['min_len']} > max_len={merged['max_len']}")
     return merged
@@ -107,7 +135,8 @@ def _resolve_options(spec: TaskSpec, options: dict[str, int]) -> dict[str, int]:
 def make_task_dataset(task: str, num_examples: int, seed: int, **options: int) -> list[dict[str, str]]:
     """Generate `num_examples` records {"prompt": str, "answer": str}, deterministic in `seed`.
 
-    `options` override the task's defaults (sort/reverse: min_len, max_len; add: num_digits).
+    `options` override the task's defaults (sort/reverse: min_len, max_len; add: num_digits;
+    chain: num_terms, num_digits).
     The records feed `PromptDataset.from_records` directly.
     """
     spec = get_task(task)

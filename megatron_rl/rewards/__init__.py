@@ -1,9 +1,10 @@
-"""Reward functions (exact match, math-verify), their registry, and the timeout-guarded runner."""
+"""Reward functions (exact match, final answer, math-verify), their registry, and the timeout-guarded runner."""
 
 from megatron_rl.rewards.functions import (
     REWARD_FNS,
     RewardFn,
     exact_match,
+    final_answer,
     get_reward_fn,
     math_verify_reward,
     position_match,
@@ -16,6 +17,7 @@ __all__ = [
     "RewardFn",
     "RewardRunner",
     "exact_match",
+    "final_answer",
     "get_reward_fn",
     "math_verify_reward",
     "position_match",

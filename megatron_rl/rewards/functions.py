@@ -1,4 +1,4 @@
-"""Verifiable reward functions (exact match, per-position match, math-verify) and their registry.
+"""Verifiable reward functions (exact match, per-position match, final answer, math-verify) and their registry.
 
 A reward function maps (response: str, answer: str) -> float. It may raise or hang: the
 RewardRunner (runner.py) turns either into reward 0.0 and counts it, so functions stay simple.
@@ -6,6 +6,7 @@ RewardRunner (runner.py) turns either into reward 0.0 and counts it, so function
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -27,6 +28,27 @@ def position_match(response: str, answer: str) -> float:
     if longest == 0:
         return 1.0
     return sum(r == a for r, a in zip(response, answer)) / longest
+
+
+_INTEGER_RE = re.compile(r"-?\d{1,30}")
+
+
+def _final_integer(text: str) -> int | None:
+    """The integer after the last ':' (the whole text without one), or None if it is not one."""
+    tail = text.rsplit(":", 1)[-1].strip()
+    return int(tail) if _INTEGER_RE.fullmatch(tail) else None
+
+
+def final_answer(response: str, answer: str) -> float:
+    """1.0 if the integer after the response's last ':' equals the one after the answer's, else 0.0.
+
+    The worked steps before it are not judged ("7+5=13,13+9=21:21" scores 1.0). Anything that is
+    not a plain integer there ("", "21x", "2 1", a missing ':' with text before it) scores 0.0.
+    """
+    gold = _final_integer(answer)
+    if gold is None:
+        raise ValueError(f"the gold answer {answer!r} has no integer final answer")
+    return 1.0 if _final_integer(response) == gold else 0.0
 
 
 def math_verify_reward(response: str, answer: str) -> float:
@@ -51,6 +73,7 @@ def math_verify_reward(response: str, answer: str) -> float:
 REWARD_FNS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "position_match": position_match,
+    "final_answer": final_answer,
     "math_verify": math_verify_reward,
 }
 

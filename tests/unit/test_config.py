@@ -34,6 +34,9 @@ def test_int_is_accepted_for_float_and_none_for_optional():
     ("train.micro_batch_size=0", "train.micro_batch_size"),
     ("calib.enabled=yes please", "calib.enabled"),
     ("precision.weight_block_size=[128]", "precision.weight_block_size"),
+    ("model.outlier_channels=-1", "model.outlier_channels"),
+    ("model.outlier_channels=129", "model.outlier_channels"),  # tiny_hidden_size is 128
+    ("model.outlier_scale=0.5", "model.outlier_scale"),
 ])
 def test_bad_value_names_the_key(override, named):
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):

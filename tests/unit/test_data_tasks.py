@@ -5,8 +5,8 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from megatron_rl.data import TASKS, build_char_tokenizer, load_char_tokenizer, make_task_dataset, sft_examples
-from megatron_rl.rewards import get_reward_fn
+from megatron_rl.data import TASKS, build_char_tokenizer, get_task, load_char_tokenizer, make_task_dataset, sft_examples
+from megatron_rl.rewards import final_answer, get_reward_fn
 
 # Hand-written vocabulary: <pad>=0 <s>=1 </s>=2 <unk>=3, then '0'..'9' = 4..13, 'a'..'z' = 14..39,
 # ':'=40 '='=41 '+'=42 '-'=43 ','=44 ' '=45.
@@ -55,11 +55,25 @@ def _check_add(prompt, answer):
     return 3
 
 
-@pytest.mark.parametrize("task,check", [("sort", _check_sort), ("reverse", _check_reverse), ("add", _check_add)])
+def _check_chain(prompt, answer):
+    terms = [int(t) for t in re.fullmatch(r"sum:(\d(?:\+\d)*)=", prompt).group(1).split("+")]
+    steps, final = answer.split(":")
+    running = terms[0]
+    for step, term in zip(steps.split(","), terms[1:]):  # a running sum, one written step per term
+        assert step == f"{running}+{term}={running + term}"
+        running += term
+    assert len(terms) == 4 and len(steps.split(",")) == 3 and int(final) == running == sum(terms)
+    assert get_task("chain").valid_format(answer) and final_answer(answer, answer) == 1.0
+    assert 19 <= len(answer) <= 25  # "0+0=0,0+0=0,0+0=0:0" .. "9+9=18,18+9=27,27+9=36:36"
+    return 4
+
+
+@pytest.mark.parametrize("task,check", [("sort", _check_sort), ("reverse", _check_reverse), ("add", _check_add),
+                                        ("chain", _check_chain)])
 def test_task_answers_are_correct(task, check):
     records = make_task_dataset(task, 200, seed=3)
     lengths = {check(r["prompt"], r["answer"]) for r in records}
-    if task != "add":
+    if task in ("sort", "reverse"):
         assert lengths == {3, 4, 5, 6}  # default min_len=3, max_len=6, all lengths appear in 200 draws
     assert len({r["prompt"] for r in records}) > 150  # not degenerate
 
@@ -71,6 +85,28 @@ def test_task_dataset_deterministic_and_options():
     assert all(len(r["answer"]) == 2 for r in short)
     big = make_task_dataset("add", 50, seed=0, num_digits=3)
     assert all(re.fullmatch(r"add:[1-9]\d\d\+[1-9]\d\d=", r["prompt"]) for r in big)
+    chains = make_task_dataset("chain", 50, seed=0, num_terms=2, num_digits=2)
+    assert all(re.fullmatch(r"sum:[1-9]\d\+[1-9]\d=", r["prompt"]) for r in chains)
+    assert all(re.fullmatch(r"(\d+)\+(\d+)=(\d+):\3", r["answer"]) for r in chains)
+
+
+@pytest.mark.parametrize("response,valid", [
+    ("7+5=12,12+9=21:21", True),
+    ("7+5=13,13+9=22:99", True),  # wrong arithmetic, right shape
+    ("7+5=12:12\n", True),
+    ("7+5=12,12+9=21", False),  # no final answer
+    ("7+5=12,,12+9=21:21", False),
+    ("7+5=12,12+9=21:21:21", False),
+    ("7+5=12,12+=21:21", False),
+    ("21", False),
+    ("", False),
+])
+def test_chain_valid_format(response, valid):
+    assert get_task("chain").valid_format(response) is valid
+
+
+def test_valid_format_default_accepts_any_nonempty_text():
+    assert get_task("sort").valid_format("x") and not get_task("sort").valid_format("  ")
 
 
 @pytest.mark.parametrize(
@@ -81,6 +117,7 @@ def test_task_dataset_deterministic_and_options():
         (lambda: make_task_dataset("sort", 5, 0, min_len=4, max_len=3), "min_len"),
         (lambda: make_task_dataset("add", 5, 0, num_digits=0), "num_digits"),
         (lambda: make_task_dataset("add", 0, 0), "num_examples"),
+        (lambda: make_task_dataset("chain", 5, 0, num_terms=1), "num_terms"),
     ],
 )
 def test_task_bad_arguments(call, match):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_rl.rewards import exact_match, get_reward_fn, math_verify_reward, position_match, register_reward_fn
+from megatron_rl.rewards import exact_match, final_answer, get_reward_fn, math_verify_reward, position_match, register_reward_fn
 
 
 @pytest.mark.parametrize(
@@ -46,6 +46,31 @@ def test_math_verify(response, answer, expected):
 def test_math_verify_unparsable_gold_raises():
     with pytest.raises(ValueError, match="gold answer"):
         math_verify_reward("1", "")
+
+
+@pytest.mark.parametrize(
+    "response,expected",
+    [
+        ("7+5=12,12+9=21:21", 1.0),
+        ("7+5=13,13+9=22:21", 1.0),  # only the final answer is judged
+        ("7+5=12,12+9=21:22", 0.0),
+        (" 7+5=12:3:21 \n", 1.0),  # the last ':' counts; surrounding whitespace is ignored
+        ("21", 1.0),  # no ':' at all: the whole response is the final answer
+        ("7+5=12,12+9=21:", 0.0),
+        ("7+5=12,12+9=21:21x", 0.0),
+        ("7+5=12,12+9=21:2 1", 0.0),
+        ("7+5=12,12+9=21:" + "9" * 40, 0.0),  # no giant ints parsed
+        ("", 0.0),
+        (":::", 0.0),
+    ],
+)
+def test_final_answer(response, expected):
+    assert final_answer(response, "7+5=12,12+9=21:21") == expected
+
+
+def test_final_answer_rejects_a_gold_without_an_integer():
+    with pytest.raises(ValueError, match="gold answer"):
+        final_answer("21", "7+5=12:twelve")
 
 
 def test_registry():
