@@ -39,8 +39,9 @@ class ModelConfig:
     pre-attention / pre-MLP norm output, by an exact reparameterization applied once before the
     first weight sync of a fresh run (actor/outliers.py, docs/fp8.md). 0 = off."""
     outlier_scale: float = 32.0
-    """Factor s >= 1 of the planted channels. 32: LLM.int8()-sized (20-100x the median), which E4M3's
-    exponent absorbs; FP8 errors grow from about 2^15 (massive activations). A power of two is exact."""
+    """Factor s >= 1 of the planted channels. 32: LLM.int8()-sized (20-100x the median): FP4 errors
+    grow ~2.7x, E4M3's exponent absorbs it; FP8 errors grow from about 2^15 (massive activations).
+    A power of two is exact."""
 
 
 @dataclass
