@@ -53,46 +53,48 @@ PIPELINES = {
     "mxfp4": ["precision.train_recipe=mxfp4", "precision.rollout_quant=mxfp4"],
 }
 BF16 = ["precision.train_recipe=bf16", "precision.rollout_quant=bf16"]
-OUTLIERS = ["model.outlier_channels=4", "model.outlier_scale=30"]
-SHORT = ["data.task=sort", "rollout.max_new_tokens=10"]  # the precision study's task, stress PPO
-# The declared grid: setting name -> (pipeline, extra overrides). Each setting runs vanilla (no TIS,
-# no calibration) and is compared with the BF16 run of the same task and PPO settings.
+# Planted outlier channels (docs/fp8.md): 32x (LLM.int8()-size outlier features) stresses FP4;
+# FP8's exponent absorbs them until about 2^15, so FP8 is stressed at 2^13 (massive-activation size).
+OUTLIERS = ["model.outlier_channels=4", "model.outlier_scale=32"]
+MASSIVE = ["model.outlier_channels=4", "model.outlier_scale=8192"]
+SHORT = ["data.task=sort", "rollout.max_new_tokens=10", "train.sft_steps=50"]  # the precision study's task
+# The declared grid: setting -> (pipeline, its BF16 baseline, extra overrides). The screen runs
+# every setting vanilla (no TIS, no calibration) and every baseline once.
+BASELINES = {"chain_bf16": [], "chain_bf16_outliers": OUTLIERS, "chain_bf16_massive": MASSIVE,
+             "sort_bf16": SHORT}
 SETTINGS = {
-    "chain_tensorwise": ("tensorwise", []),
-    "chain_tensorwise_outliers": ("tensorwise", OUTLIERS),
-    "chain_delayed": ("delayed", []),
-    "chain_nvfp4": ("nvfp4", []),
-    "chain_nvfp4_outliers": ("nvfp4", OUTLIERS),
-    "chain_mxfp4": ("mxfp4", []),
-    "chain_mxfp4_outliers": ("mxfp4", OUTLIERS),
-    "sort_nvfp4": ("nvfp4", SHORT),
-    "sort_mxfp4": ("mxfp4", SHORT),
+    "chain_tensorwise": ("tensorwise", "chain_bf16", []),
+    "chain_tensorwise_massive": ("tensorwise", "chain_bf16_massive", MASSIVE),
+    "chain_delayed": ("delayed", "chain_bf16", []),
+    "chain_nvfp4": ("nvfp4", "chain_bf16", []),
+    "chain_nvfp4_outliers": ("nvfp4", "chain_bf16_outliers", OUTLIERS),
+    "chain_mxfp4": ("mxfp4", "chain_bf16", []),
+    "sort_nvfp4": ("nvfp4", "sort_bf16", SHORT),
 }
-BASELINES = {"chain_bf16": [], "chain_bf16_outliers": OUTLIERS, "sort_bf16": SHORT}
-VANILLA = ["algo.use_tis=false", "calib.enabled=false", "calib.diagnose=true"]
-ARMS = {  # the five arms of one setting (stage "arms")
-    "bf16": ["algo.use_tis=false", "calib.enabled=false"],
-    "vanilla": VANILLA,
-    "tis": ["algo.use_tis=true", "calib.enabled=false", "calib.diagnose=true"],
-    "calibrated": ["algo.use_tis=false", "calib.enabled=true"],
-    "lower_only": ["algo.use_tis=false", "calib.enabled=true", "calib.mode=lower_only"],
+NO_TIS = ["algo.use_tis=false", "calib.enabled=false"]
+ARMS = {  # the arms of one setting (stage "arms") besides its BF16 baseline; "" = vanilla
+    "": [*NO_TIS, "calib.diagnose=true"],
+    "_tis": ["algo.use_tis=true", "calib.enabled=false", "calib.diagnose=true"],
+    "_calibrated": ["algo.use_tis=false", "calib.enabled=true"],
+    "_lower_only": ["algo.use_tis=false", "calib.enabled=true", "calib.mode=lower_only"],
 }
 
 
 def screen_runs() -> dict[str, list[str]]:
-    runs = {name: [*BF16, "algo.use_tis=false", "calib.enabled=false", *extra]
-            for name, extra in BASELINES.items()}
-    for name, (pipeline, extra) in SETTINGS.items():
-        runs[name] = [*PIPELINES[pipeline], *VANILLA, *extra]
+    """Run name -> overrides. Names are shared with the arms stage, so seed 1 of a setting's
+    vanilla and BF16 runs is reused there (same folder, already done)."""
+    runs = {name: [*BF16, *NO_TIS, *extra] for name, extra in BASELINES.items()}
+    for name, (pipeline, _, extra) in SETTINGS.items():
+        runs[name] = [*PIPELINES[pipeline], *ARMS[""], *extra]
     return runs
 
 
 def arm_runs(setting: str) -> dict[str, list[str]]:
     if setting not in SETTINGS:
         raise SystemExit(f"unknown --setting {setting!r}; the grid has {sorted(SETTINGS)}")
-    pipeline, extra = SETTINGS[setting]
-    return {arm: [*(BF16 if arm == "bf16" else PIPELINES[pipeline]), *overrides, *extra]
-            for arm, overrides in ARMS.items()}
+    pipeline, baseline, extra = SETTINGS[setting]
+    return {baseline: [*BF16, *NO_TIS, *BASELINES[baseline]],
+            **{setting + arm: [*PIPELINES[pipeline], *overrides, *extra] for arm, overrides in ARMS.items()}}
 
 
 def run_one(name: str, overrides: list[str], base: Path, seed: int, root: Path, extra: list[str]) -> Path:
@@ -124,11 +126,11 @@ def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
             if unknown:
                 raise SystemExit(f"unknown runs {unknown}; the screen has {sorted(runs)}")
             runs = {v: runs[v] for v in args.variants}
-        return HERE / "surge.yaml", runs, "runs/surge/screen", "docs/reproduction/surge/screen", \
+        return HERE / "surge.yaml", runs, "runs/surge", "docs/reproduction/surge/screen", \
             "Entropy-surge study: the screen (seed 1, vanilla low precision vs BF16)"
     if not args.setting:
         raise SystemExit("--stage arms needs --setting (one of the grid's settings)")
-    return (HERE / "surge.yaml", arm_runs(args.setting), f"runs/surge/{args.setting}",
+    return (HERE / "surge.yaml", arm_runs(args.setting), "runs/surge",
             f"docs/reproduction/surge/{args.setting}", f"Entropy-surge study: the arms of {args.setting}")
 
 
