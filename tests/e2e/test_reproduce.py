@@ -34,3 +34,29 @@ def test_harness_writes_a_report_with_finite_numbers(tmp_path):
     assert float(_cells(md, "calibrated L (applied)")[1]) > 0
     for png in ("learning.png", "clipping.png", "bounds.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000
+
+
+def test_surge_harness_screens_then_reuses_the_screen_runs_in_the_arms(tmp_path):
+    run_py = str(ROOT / "examples" / "reproduce" / "run.py")
+    common = ["--study", "surge", "--steps", "2", "--runs-dir", str(tmp_path / "runs"), *SMALL,
+              "rollout.max_new_tokens=12"]
+    screen = [sys.executable, run_py, *common, "--stage", "screen", "--variants", "chain_bf16", "chain_nvfp4",
+              "--out", str(tmp_path / "screen")]
+    proc = subprocess.run(screen, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (tmp_path / "screen" / "report.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| run |"))
+    assert "surge step" in head and "garbled rate, last quarter" in head
+    assert "| chain_bf16 s1 |" in md and "| chain_nvfp4 s1 |" in md
+    std = _cells(md, "std of log r at theta_old (pure precision noise)")
+    assert float(std[0]) == 0 and float(std[1]) > 0  # NVFP4 recomputes theta_old with noise; BF16 does not
+    stamps = {name: (tmp_path / "runs" / f"{name}_seed1" / "stdout.log").stat().st_mtime_ns
+              for name in ("chain_bf16", "chain_nvfp4")}
+    arms = [sys.executable, run_py, *common, "--stage", "arms", "--setting", "chain_nvfp4", "--out", str(tmp_path / "arms")]
+    proc = subprocess.run(arms, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, stamp in stamps.items():  # seed 1 of the baseline and of vanilla: the screen's runs, not re-run
+        assert (tmp_path / "runs" / f"{name}_seed1" / "stdout.log").stat().st_mtime_ns == stamp
+    md = (tmp_path / "arms" / "report.md").read_text()
+    assert "| chain_bf16 | chain_nvfp4 | chain_nvfp4_tis | chain_nvfp4_calibrated | chain_nvfp4_lower_only |" in md
+    assert float(_cells(md, "calibrated L (applied)")[3]) > 0
