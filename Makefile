@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 DEMO_CONFIG ?= examples/tiny/fp8_calibrated.yaml
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo surge test bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ $(VENV)/.installed: setup.py
 
 demo: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train $(DEMO_CONFIG)
+
+surge: setup  # the entropy surge of vanilla NVFP4 and what prevents it (examples/surge/README.md)
+	OMP_NUM_THREADS=1 PY=$(PY) bash examples/surge/run.sh
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

@@ -15,6 +15,8 @@ FIGURES = {
                      ("clip/high_pos", "upper-clip fraction, A>0"),
                      ("shadow/false_clip_low_neg", "false lower-clip rate, A<0 (vs BF16 shadow)"),
                      ("noise/log_ratio_std_at_old", "std log r at theta_old (precision noise)")),
+    "health.png": (("entropy", "entropy"), ("health/garbled_rate", "garbled-output rate (format check)"),
+                   ("reward/mean", "reward"), ("response_length/mean", "response length")),
     "bounds.png": (("calib/low", "lower bound L"), ("calib/high", "upper bound H"),
                    ("calib/balance_fp8", "pos/neg update balance, FP8"),
                    ("calib/balance_bf16", "pos/neg update balance, BF16")),

@@ -113,6 +113,14 @@ def run_one(name: str, overrides: list[str], base: Path, seed: int, root: Path, 
     return log_dir
 
 
+def _subset(runs: dict[str, list[str]], names: list[str] | None) -> dict[str, list[str]]:
+    """The named runs, in the order given (None: all)."""
+    unknown = sorted(set(names or ()) - set(runs))
+    if unknown:
+        raise SystemExit(f"unknown runs {unknown}; this stage has {sorted(runs)}")
+    return {name: runs[name] for name in names} if names else runs
+
+
 def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
     """(base config, runs, default runs dir, default report dir, title) of the chosen study."""
     if args.study == "precision":
@@ -120,17 +128,11 @@ def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
                 "runs/reproduce", "docs/reproduction",
                 "Precision study: BF16 vs FP8 vs FP8 + Calibrated Clipping")
     if args.stage == "screen":
-        runs = screen_runs()
-        if args.variants:
-            unknown = sorted(set(args.variants) - set(runs))
-            if unknown:
-                raise SystemExit(f"unknown runs {unknown}; the screen has {sorted(runs)}")
-            runs = {v: runs[v] for v in args.variants}
-        return HERE / "surge.yaml", runs, "runs/surge", "docs/reproduction/surge/screen", \
+        return HERE / "surge.yaml", _subset(screen_runs(), args.variants), "runs/surge", "docs/reproduction/surge/screen", \
             "Entropy-surge study: the screen (seed 1, vanilla low precision vs BF16)"
     if not args.setting:
         raise SystemExit("--stage arms needs --setting (one of the grid's settings)")
-    return (HERE / "surge.yaml", arm_runs(args.setting), "runs/surge",
+    return (HERE / "surge.yaml", _subset(arm_runs(args.setting), args.variants), "runs/surge",
             f"docs/reproduction/surge/{args.setting}", f"Entropy-surge study: the arms of {args.setting}")
 
 
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=["screen", "arms"], default="screen", help="surge study only")
     parser.add_argument("--setting", default="", help="surge study, stage arms: a setting of the grid")
     parser.add_argument("--variants", nargs="*", default=None,
-                        help="a subset of the study's runs (precision: variants; surge screen: run names)")
+                        help="a subset of the study's runs (precision: variants; surge: run names of the stage)")
     parser.add_argument("--seeds", nargs="*", type=int, default=[1])
     parser.add_argument("--steps", type=int, default=None, help="override train.num_steps")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one core each)")
