@@ -77,6 +77,7 @@ ARMS = {  # the arms of one setting (stage "arms") besides its BF16 baseline; ""
     "_tis": ["algo.use_tis=true", "calib.enabled=false", "calib.diagnose=true"],
     "_calibrated": ["algo.use_tis=false", "calib.enabled=true"],
     "_lower_only": ["algo.use_tis=false", "calib.enabled=true", "calib.mode=lower_only"],
+    "_calibrated_tis": ["algo.use_tis=true", "calib.enabled=true"],  # the paper's runs: TIS always on
 }
 
 
