@@ -195,3 +195,24 @@ def test_outliers_are_planted_once_and_a_resume_keeps_them(tmp_path):
     assert full[0]["noise/log_ratio_std_at_old"] > 2.0 * plain[0]["noise/log_ratio_std_at_old"]
     for key in ("reward/mean", "pg_loss", "grad_norm", "mismatch/abs_logprob_diff", "noise/log_ratio_std_at_old"):
         assert resumed[2].get(key) == full[2].get(key), key
+
+
+def test_tiny_run_logs_health_metrics(tmp_path):
+    """Two steps of the tiny sort run: every step carries a garbled rate in [0, 1] and the
+    detector's metrics, consistent with the logged entropy."""
+    records = run_tiny(tmp_path, "bf16.yaml", "train.num_steps=2", "train.sft_steps=10",
+                       "health.patience=1", "health.entropy_rise=1e-9")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:  # 4 prompts x 4 samples: the rate counts 16 responses
+        assert 0.0 <= r["health/garbled_rate"] <= 1.0 and (16 * r["health/garbled_rate"]).is_integer()
+    first, second = records
+    streak = 0.0
+    for r in records:  # default threshold 0.5
+        streak = streak + 1 if r["health/garbled_rate"] >= 0.5 else 0.0
+        assert r["health/garbled_streak"] == streak
+    assert first["health/entropy_min"] == first["entropy"] and first["health/entropy_rise"] == 0.0
+    assert second["health/entropy_min"] == min(first["entropy"], second["entropy"])
+    assert second["health/entropy_rise"] == pytest.approx(second["entropy"] / second["health/entropy_min"] - 1)
+    rose = float(second["entropy"] > first["entropy"])  # patience 1, threshold ~0: any rise surges
+    assert (second["health/rise_streak"], second["health/surge"]) == (rose, rose)
+    assert second.get("health/surge_step") == (1.0 if rose else None)
