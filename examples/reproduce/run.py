@@ -60,8 +60,10 @@ MASSIVE = ["model.outlier_channels=4", "model.outlier_scale=8192"]
 SHORT = ["data.task=sort", "rollout.max_new_tokens=10", "train.sft_steps=50"]  # the precision study's task
 # The declared grid: setting -> (pipeline, its BF16 baseline, extra overrides). The screen runs
 # every setting vanilla (no TIS, no calibration) and every baseline once.
-BASELINES = {"chain_bf16": [], "chain_bf16_outliers": OUTLIERS, "chain_bf16_massive": MASSIVE,
-             "sort_bf16": SHORT}
+# On a CPU the parameters are FP32 (precision.params_dtype auto); chain_bf16_params checks that BF16
+# parameters and compute (Megatron's mixed precision, FP32 main weights) behave the same.
+BASELINES = {"chain_bf16": [], "chain_bf16_params": ["precision.params_dtype=bf16"],
+             "chain_bf16_outliers": OUTLIERS, "chain_bf16_massive": MASSIVE, "sort_bf16": SHORT}
 SETTINGS = {
     "chain_tensorwise": ("tensorwise", "chain_bf16", []),
     "chain_tensorwise_massive": ("tensorwise", "chain_bf16_massive", MASSIVE),
