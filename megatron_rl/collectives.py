@@ -10,6 +10,10 @@ weight-sync owner) must not sit in an NCCL collective: NCCL's watchdog kills the
 timeout (30 minutes by default) and a 16-20K-token rollout tail can pass it. `HostGroups` holds a
 gloo twin of each group for such waits; on a gloo world the twins are the groups themselves.
 
+The weight-update group shared with SGLang servers (another program's ranks, outside the trainer's
+world) is built, used and destroyed here too (`rendezvous_group_as_rank0`, `broadcast`,
+`destroy_group`).
+
 Only the model's own device-side collectives (vocab-parallel reductions, FP8 amaxes, TP gathers of
 weights) call torch.distributed directly; tests/unit/test_collectives.py keeps the loop, sync,
 checkpoint and build modules free of direct calls.
@@ -53,6 +57,23 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = 
     device = group_device(group)
     work = tensor if tensor.device == device else tensor.to(device)
     dist.all_reduce(work, op=_OPS[op], group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, group_src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place broadcast of `tensor` from group rank `group_src` over `group`; returns `tensor`.
+
+    `group` may lie outside the trainer's world (the weight-update group, whose other members are
+    SGLang servers), so its own size decides, not the default group's. A tensor on another device
+    than the group's backend needs is copied there and back (none is for CUDA buckets on NCCL).
+    """
+    if group.size() == 1:
+        return tensor
+    device = group_device(group)
+    work = tensor if tensor.device == device else tensor.to(device)
+    dist.broadcast(work, group_src=group_src, group=group)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -134,3 +155,24 @@ def _gloo_subgroup(my_ranks: list[int], world: dist.ProcessGroup) -> dist.Proces
     partition = sorted({tuple(r) for r in everyone})
     mine, _ = dist.new_subgroups_by_enumeration([list(p) for p in partition], backend="gloo")
     return mine
+
+
+def rendezvous_group_as_rank0(addr: str, port: int, world_size: int, group_name: str, backend: str,
+                              timeout) -> dist.ProcessGroup:
+    """Rank 0 of a group shared with another program (SGLang's weight-update group), built as SGLang
+    builds its side (rendezvous on tcp://addr:port, a store prefixed by the group name), so both
+    sides meet on the same keys. Independent of the trainer's default process group."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    # The store server, started here: under torchrun, rendezvous("tcp://...") would only make a client
+    # (torchrun's agent hosts the store of ITS group) and the servers and this rank would wait forever.
+    store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
+    group, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_group(group: dist.ProcessGroup) -> None:
+    """Tear down one group (its communicators), leaving the default group alone."""
+    dist.destroy_process_group(group)

@@ -151,7 +151,7 @@ class SGLangNcclTransport:
             if self.group is not None:
                 self.engine.broadcast("/destroy_weights_update_group", {"group_name": self._name()},
                                       servers=[s for s in self.engine.servers if s.restarts == 0])
-                torch.distributed.destroy_process_group(self.group)
+                collectives.destroy_group(self.group)
                 self._epoch += 1
             world, offsets = 1, []
             for server in self.engine.servers:
@@ -163,8 +163,8 @@ class SGLangNcclTransport:
             with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
                 calls = [pool.submit(self.engine.broadcast, "/init_weights_update_group", b, [s])
                          for b, s in zip(bodies, self.engine.servers)]
-                self.group = init_update_group(self.master_addr, self.master_port + self._epoch, world,
-                                               self._name(), self.backend, self.timeout)
+                self.group = collectives.rendezvous_group_as_rank0(
+                    self.master_addr, self.master_port + self._epoch, world, self._name(), self.backend, self.timeout)
                 for call in calls:
                     call.result()
 
@@ -178,7 +178,7 @@ class SGLangNcclTransport:
         with self.lock, ThreadPoolExecutor(max_workers=1) as pool:
             # The servers block in their receive until the broadcast; post first, then broadcast.
             call = pool.submit(self.engine.broadcast, "/update_weights_from_distributed", body)
-            torch.distributed.broadcast(flat, src=0, group=self.group)
+            collectives.broadcast(flat, group_src=0, group=self.group)
             call.result()
         self.checked.record(bucket)
 
@@ -188,19 +188,3 @@ class SGLangNcclTransport:
 
     def checksums(self, names: list[str]) -> dict[str, str]:
         return self.checked.verify(names)
-
-
-def init_update_group(addr: str, port: int, world_size: int, group_name: str, backend: str, timeout):
-    """Rank 0 of the weight-update group, built as SGLang builds its side (rendezvous on
-    tcp://addr:port, a store prefixed by the group name), so both sides meet on the same keys.
-    Independent of the trainer's default process group."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
-    # The store server, started here: under torchrun, rendezvous("tcp://...") would only make a client
-    # (torchrun's agent hosts the store of ITS group) and the servers and this rank would wait forever.
-    store = torch.distributed.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
-    rank = 0
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group

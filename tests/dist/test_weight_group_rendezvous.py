@@ -23,18 +23,18 @@ def _worker(rank: int, world_size: int, port: int):
 
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
 
-    from megatron_rl.sync.sglang_transport import init_update_group
+    from megatron_rl import collectives
 
     timeout = datetime.timedelta(seconds=20)
     if rank == 0:
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as inside a torchrun worker
-        group = init_update_group("127.0.0.1", port, 2, GROUP, "gloo", timeout)
-        payload = torch.arange(6, dtype=torch.float32)
-    else:  # the server side, as sglang/srt/utils init_custom_process_group builds it
-        store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
-        group, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore(GROUP, store),
-                                             group_name=GROUP, backend_options=None, timeout=timeout)
-        payload = torch.zeros(6)
+        group = collectives.rendezvous_group_as_rank0("127.0.0.1", port, 2, GROUP, "gloo", timeout)
+        return collectives.broadcast(torch.arange(6, dtype=torch.float32), group_src=0, group=group)
+    # the server side, as sglang/srt/utils init_custom_process_group builds it
+    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+    group, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore(GROUP, store),
+                                         group_name=GROUP, backend_options=None, timeout=timeout)
+    payload = torch.zeros(6)
     torch.distributed.broadcast(payload, group_src=0, group=group)
     return payload
 

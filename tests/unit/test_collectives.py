@@ -11,9 +11,6 @@ PKG = Path(__file__).resolve().parents[2] / "megatron_rl"
 # device-side model collectives.)
 HOST_SIDE = ["train.py", "rl_step.py", "rl_batch.py", "build.py", "checkpoint.py", "telemetry.py",
              "launch.py", "sync", "rollout", "rewards", "data"]
-# The NCCL weight-update group shared with the SGLang servers is a device-side transfer of weights.
-ALLOWED = {"sglang_transport.py": {"torch.distributed.destroy_process_group", "torch.distributed.broadcast",
-                                   "torch.distributed.distributed_c10d", "torch.distributed.TCPStore"}}
 
 
 def _host_files():
@@ -38,7 +35,7 @@ def _direct_uses(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", list(_host_files()), ids=lambda p: str(p.relative_to(PKG)))
 def test_host_side_modules_use_the_collectives_helper(path):
-    assert set(_direct_uses(path)) <= ALLOWED.get(path.name, set()), f"{path.name} calls torch.distributed directly: use megatron_rl.collectives"
+    assert _direct_uses(path) == [], f"{path.name} calls torch.distributed directly: use megatron_rl.collectives"
 
 
 def test_the_check_sees_a_direct_call(tmp_path):
