@@ -20,14 +20,16 @@ import torch
 from torch import nn
 
 from megatron_rl.fp8 import fp4
-from megatron_rl.fp8.w8a8 import SkipSpec, _skip_predicate
+from megatron_rl.fp8.w8a8 import QuantizedLinear, SkipSpec, swap_linears
 
 MODES = ("nvfp4", "mxfp4")
 _QUANT_BUFFERS = ("weight", "weight_scale", "weight_amax")
 
 
-class W4A4Linear(nn.Module):
+class W4A4Linear(QuantizedLinear):
     """nn.Linear replacement holding FP4 weights; forward quantizes activations dynamically."""
+
+    quant_buffers = _QUANT_BUFFERS
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  mode: str = "nvfp4", dtype: torch.dtype = torch.bfloat16,
@@ -48,16 +50,6 @@ class W4A4Linear(nn.Module):
         self.register_buffer("bias", bias_t)
         self._dequantized: Optional[torch.Tensor] = None
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str = "nvfp4") -> "W4A4Linear":
-        """Quantize an nn.Linear's weight; the bias stays in its dtype."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mode=mode,
-                    dtype=linear.weight.dtype, device=linear.weight.device)
-        layer.load_bf16(linear.weight.detach())
-        if linear.bias is not None:
-            layer.bias.copy_(linear.bias.detach())
-        return layer
-
     @torch.no_grad()
     def load_bf16(self, weight: torch.Tensor) -> None:
         """Quantize a high-precision [out, in] weight into this layer (once per weight sync)."""
@@ -72,10 +64,6 @@ class W4A4Linear(nn.Module):
         self.weight_scale.copy_(scale)
         self.clear_cache()
 
-    def clear_cache(self) -> None:
-        """Drop the cached dequantized weight (rebuilt by the next forward)."""
-        self._dequantized = None
-
     def dequantized_weight(self) -> torch.Tensor:
         """The FP4 weight dequantized to float32 [out, in], cached until the next load."""
         if self._dequantized is None or self._dequantized.device != self.weight.device:
@@ -86,28 +74,8 @@ class W4A4Linear(nn.Module):
                 self._dequantized = fp4.mxfp4_dequantize(q, self.weight_scale)
         return self._dequantized
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in] float -> [..., out] in x.dtype; activations fake-quantized to FP4 first."""
-        x_dq = fake_quantize_activation(x, self.mode)
-        y = torch.matmul(x_dq, self.dequantized_weight().t())
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype)
-
-    def _apply(self, fn, recurse=True):
-        # As W8A8Linear: Module.to(dtype) would cast the float8 scales and the fp32 amax; keep them.
-        keep = {n: self._buffers[n] for n in _QUANT_BUFFERS if self._buffers.get(n) is not None}
-        super()._apply(fn, recurse)
-        for name, original in keep.items():
-            moved = self._buffers[name]
-            if moved.dtype != original.dtype:
-                self._buffers[name] = original.to(moved.device)
-        self.clear_cache()
-        return self
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self.clear_cache()
-        super()._load_from_state_dict(*args, **kwargs)
+    def _fake_quant_input(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_activation(x, self.mode)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
@@ -129,11 +97,4 @@ def quantize_model_w4a4(hf_model: nn.Module, mode: str = "nvfp4", skip: SkipSpec
 
     Returns hf_model itself.
     """
-    should_skip = _skip_predicate(skip)
-    targets = [(name, mod) for name, mod in hf_model.named_modules()
-               if type(mod) is nn.Linear and not should_skip(name, mod)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = hf_model.get_submodule(parent_name) if parent_name else hf_model
-        setattr(parent, child, W4A4Linear.from_linear(linear, mode=mode))
-    return hf_model
+    return swap_linears(hf_model, skip, lambda linear: W4A4Linear.from_linear(linear, mode=mode))

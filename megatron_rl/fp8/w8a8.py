@@ -57,13 +57,83 @@ def quantize_weight_tensorwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return quantize(w, "tensorwise", E4M3)
 
 
-class W8A8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What the rollout's quantized linears share (W8A8Linear here, W4A4Linear in w4a4.py).
+
+    Subclasses register their quantized buffers (named in `quant_buffers`) and the bias, and define
+    `load_bf16`, `dequantized_weight` (cached in `_dequantized`) and `_fake_quant_input`. The GEMM
+    is dequantize-and-matmul in float32: the same products and fp32 accumulation a low-precision
+    tensor-core kernel computes, up to summation order.
+    """
+
+    quant_buffers: tuple[str, ...] = ()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kw) -> "QuantizedLinear":
+        """Quantize an nn.Linear's weight (kw: the subclass's options); the bias keeps its dtype."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    dtype=linear.weight.dtype, device=linear.weight.device, **kw)
+        layer.load_bf16(linear.weight.detach())
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def clear_cache(self) -> None:
+        """Drop the cached dequantized weight (rebuilt by the next forward), e.g. to free memory."""
+        self._dequantized = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] float -> [..., out] in x.dtype; activations fake-quantized first."""
+        y = torch.matmul(self._fake_quant_input(x), self.dequantized_weight().t())
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) casts every floating buffer, low-precision ones included: a model-wide
+        # .to(bf16) would silently turn `weight` into bf16 and round the fp32 scales. Keep the
+        # quantized buffers in their dtypes (moving devices only); the bias follows the model.
+        keep = {n: self._buffers[n] for n in self.quant_buffers if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for name, original in keep.items():
+            moved = self._buffers[name]
+            if moved.dtype != original.dtype:
+                self._buffers[name] = original.to(moved.device)
+        self.clear_cache()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # load_state_dict copies into the buffers in place: drop the dequantized cache.
+        self.clear_cache()
+        super()._load_from_state_dict(*args, **kwargs)
+
+
+def swap_linears(hf_model: nn.Module, skip: SkipSpec, make: Callable[[nn.Linear], nn.Module]) -> nn.Module:
+    """Replace every nn.Linear of `hf_model` not matched by `skip` with `make(linear)`, in place.
+
+    skip: None (default_skip), a predicate (qualified_name, module) -> bool, or an iterable of
+    substrings. Only nn.Linear is ever swapped, so embeddings and norms stay as they are.
+    Returns hf_model itself.
+    """
+    should_skip = _skip_predicate(skip)
+    targets = [(name, mod) for name, mod in hf_model.named_modules()
+               if type(mod) is nn.Linear and not should_skip(name, mod)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = hf_model.get_submodule(parent_name) if parent_name else hf_model
+        setattr(parent, child, make(linear))
+    return hf_model
+
+
+class W8A8Linear(QuantizedLinear):
     """nn.Linear replacement holding FP8 weights; forward quantizes activations dynamically.
 
     Buffers carry HF FP8 names, so `state_dict()` is the payload SGLang would load:
     blockwise: `weight` (E4M3 [out, in]) + `weight_scale_inv` (fp32 tile grid);
     tensorwise: `weight` + `weight_scale` (fp32 []) and optionally `input_scale` (fp32 []).
     """
+
+    quant_buffers = _QUANT_BUFFERS
 
     def __init__(
         self,
@@ -94,16 +164,6 @@ class W8A8Linear(nn.Module):
         bias_t = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
         self.register_buffer("bias", bias_t)
         self._dequantized: Optional[torch.Tensor] = None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kw) -> "W8A8Linear":
-        """Quantize an nn.Linear (kw: mode, block_size, scale_format)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    dtype=linear.weight.dtype, device=linear.weight.device, **kw)
-        layer.load_bf16(linear.weight.detach())
-        if linear.bias is not None:
-            layer.bias.copy_(linear.bias.detach())
-        return layer
 
     @classmethod
     def from_quantized(cls, weight_fp8: torch.Tensor, scale: torch.Tensor,
@@ -148,10 +208,6 @@ class W8A8Linear(nn.Module):
             raise ValueError("input_scale is only used by mode='tensorwise'")
         self.input_scale = None if input_scale is None else input_scale.detach().float().reshape(())
 
-    def clear_cache(self) -> None:
-        """Drop the cached dequantized weight (rebuilt by the next forward), e.g. to free memory."""
-        self._dequantized = None
-
     def dequantized_weight(self) -> torch.Tensor:
         """The FP8 weight dequantized to float32 [out, in], cached until the next load."""
         if self._dequantized is None or self._dequantized.device != self.weight.device:
@@ -162,14 +218,6 @@ class W8A8Linear(nn.Module):
             self._dequantized = w
         return self._dequantized
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in] float -> [..., out] in x.dtype; activations quantized to E4M3 first."""
-        x_dq = self._fake_quant_input(x)
-        y = torch.matmul(x_dq, self.dequantized_weight().t())
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype)
-
     def _fake_quant_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "blockwise":
             q, s = quantize_activation_groups(x, self.block_size[1], self.scale_format)
@@ -177,24 +225,6 @@ class W8A8Linear(nn.Module):
         scale = None if self.input_scale is None else torch.reciprocal(self.input_scale)
         q, s = quantize(x, "tensorwise", E4M3, scale=scale)
         return dequantize(q, s, "tensorwise")
-
-    def _apply(self, fn, recurse=True):
-        # Module.to(dtype) casts every floating buffer, FP8 included: a model-wide .to(bf16)
-        # would silently turn `weight` into bf16 and round the fp32 scales. Keep the FP8 weight
-        # and fp32 scales in their dtypes (moving devices only); the bias follows the model.
-        keep = {n: self._buffers[n] for n in _QUANT_BUFFERS if self._buffers.get(n) is not None}
-        super()._apply(fn, recurse)
-        for name, original in keep.items():
-            moved = self._buffers[name]
-            if moved.dtype != original.dtype:
-                self._buffers[name] = original.to(moved.device)
-        self.clear_cache()
-        return self
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        # load_state_dict copies into the buffers in place: drop the dequantized cache.
-        self.clear_cache()
-        super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -261,16 +291,8 @@ def quantize_model_w8a8(
     Returns:
         hf_model itself.
     """
-    should_skip = _skip_predicate(skip)
-    targets = [(name, mod) for name, mod in hf_model.named_modules()
-               if type(mod) is nn.Linear and not should_skip(name, mod)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = hf_model.get_submodule(parent_name) if parent_name else hf_model
-        layer = W8A8Linear.from_linear(linear, mode=mode, block_size=block_size,
-                                       scale_format=scale_format)
-        setattr(parent, child, layer)
-    return hf_model
+    return swap_linears(hf_model, skip, lambda linear: W8A8Linear.from_linear(
+        linear, mode=mode, block_size=block_size, scale_format=scale_format))
 
 
 def _skip_predicate(skip: SkipSpec) -> Callable[[str, nn.Module], bool]:
