@@ -27,6 +27,7 @@ surge: setup  # the entropy surge of vanilla NVFP4 and what prevents it (example
 	OMP_NUM_THREADS=1 PY=$(PY) bash examples/surge/run.sh
 
 test: setup
+	$(VENV)/bin/lint-imports --no-cache  # the layering contract (.importlinter); a violation names the import
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 bench: setup

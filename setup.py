@@ -27,7 +27,7 @@ EXTRAS = {
     # sglang: exactly the versions megatron_rl/rollout/sglang_engine.py SUPPORTED_VERSIONS names (its
     # weight-update protocol changes between releases: 0.5.23 needs update sessions).
     "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23", "sglang-router", "nvidia-modelopt>=0.33"],
-    "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"],
+    "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1"],
 }
 
 setup(

@@ -51,15 +51,15 @@ def _add_plan_parser(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["launch"]:  # its own parser: megatron_rl.launch.build_parser
-        from megatron_rl import launch
+    if argv[:1] == ["launch"]:  # its own parser: megatron_rl.cluster.launch.build_parser
+        from megatron_rl.cluster import launch
         return launch.main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
         if args.command == "plan":
-            from megatron_rl.plan.report import main as plan_main
+            from megatron_rl.cluster.plan import main as plan_main
             return plan_main(args)
         overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
         cfg = load_config(args.config, overrides)

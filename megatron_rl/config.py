@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.actor.settings import validate_parallel
+from megatron_rl.algo.calibrated_clip import controller_from_config
 from megatron_rl.rollout.sglang_config import SGLangConfig, validate_sglang
 
 TRAIN_RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "mxfp4")
@@ -241,7 +242,7 @@ class TrainConfig:
     colocated_protocol: bool = True
     """Colocated engines (the embedded one always): release the engine's memory while training and
     offload the trainer's parameters, gradients and optimizer state to host memory while the engine
-    works, in the order of megatron_rl/colocated.py. On CPU it frees nothing that matters but runs
+    works, in the order of megatron_rl/loop/colocated.py. On CPU it frees nothing that matters but runs
     the same order, so the CPU loop exercises it; false keeps both resident."""
 
 
@@ -255,7 +256,7 @@ class LogConfig:
 
 @dataclass
 class HealthConfig:
-    """The entropy-surge detector (megatron_rl/health.py, docs/health.md)."""
+    """The entropy-surge detector (megatron_rl/telemetry/health.py, docs/health.md)."""
 
     entropy_rise: float = 0.5
     """Rise threshold: a step rises when entropy / running minimum - 1 >= this (0.5 = 50% above
@@ -457,10 +458,8 @@ def _validate_outliers(m: ModelConfig) -> None:
 
 def _validate_calib(cfg: RunConfig) -> None:
     """The controller's own checks, reported against the config key they come from."""
-    from megatron_rl.build import build_controller
-
     try:
-        build_controller(cfg)
+        controller_from_config(cfg.calib, cfg.algo)
     except ValueError as err:
         key = next((k for k in ("init_low", "init_high", "low_min", "high_max", "alpha_tolerance_tokens",
                                 "alpha_tolerance", "log_ratio_range") if str(err).startswith(k)), "calib")

@@ -15,11 +15,12 @@ import time
 
 import torch
 
-from megatron_rl import build, collectives, rl_step
-from megatron_rl.colocated import ColocatedMemory
+from megatron_rl import collectives
+from megatron_rl.loop import build, phases
+from megatron_rl.loop.colocated import ColocatedMemory
 from megatron_rl.config import RunConfig, load_config
-from megatron_rl.health import SurgeDetector
-from megatron_rl.plan.report import check_fits, is_colocated, job_cluster
+from megatron_rl.telemetry.health import SurgeDetector
+from megatron_rl.cluster.plan import check_fits, is_colocated, job_cluster
 
 log = logging.getLogger("megatron_rl.train")
 
@@ -86,13 +87,13 @@ def run(cfg: RunConfig) -> dict[str, float]:
 def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:
     """One RL step; returns its metrics (a skipped step logs why and changes nothing)."""
     t0 = time.perf_counter()
-    rollout = rl_step.generate(run_, run_.loader.next_batch(), step)
+    rollout = phases.generate(run_, run_.loader.next_batch(), step)
     metrics = dict(rollout.metrics)
     if rollout.batch is not None:
         metrics.update(memory.begin_training())  # colocated: engine out, trainer in
-    batch = rl_step.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
+    batch = phases.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
     if batch is not None:
-        metrics.update(rl_step.update_policy(run_, batch, step))
+        metrics.update(phases.update_policy(run_, batch, step))
     if batch is not None or (rollout.batch is not None and memory.enabled):
         # A released engine lost its weights: even a skipped update pushes them again.
         metrics.update(memory.before_sync())

@@ -32,7 +32,7 @@ if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
                   --container-workdir="$PWD" --no-container-mount-home)
 fi
 SRUN=(srun "${CONTAINER_ARGS[@]}" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" --kill-on-bad-exit=1)
-LAUNCH=(python -m megatron_rl.launch)
+LAUNCH=(python -m megatron_rl.cluster.launch)
 ARGS=("$CONFIG" "${OVERRIDES[@]}")
 mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 SERVE_HOSTS=$(IFS=,; echo "${HOSTS[*]:0:SERVE_NODES}")

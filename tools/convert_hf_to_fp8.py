@@ -19,7 +19,7 @@ import sys
 
 from megatron_rl.convert import cli
 from megatron_rl.convert.hf_to_fp8 import DEFAULT_MAX_SHARD_BYTES, convert_hf_to_fp8
-from megatron_rl.sync.quantize import RolloutQuantSpec
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,7 +128,7 @@ PAR = parallel()
 @check("te_gate")
 def _():
     """CUDA defaults to Transformer Engine: a missing TE is refused, not silently replaced."""
-    from megatron_rl.build import build_actor_settings
+    from megatron_rl.loop.build import build_actor_settings
     from megatron_rl.config import load_config
     from megatron_rl.fp8.te_recipe import te_available
 

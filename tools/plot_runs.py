@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rl.report import load_runs, write_report
+from megatron_rl.telemetry.report import load_runs, write_report
 
 
 def main(argv: list[str] | None = None) -> int:

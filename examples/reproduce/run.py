@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {fut.exception()}", file=sys.stderr)
     if not done:
         return 1
-    from megatron_rl.report import load_runs, write_report
+    from megatron_rl.telemetry.report import load_runs, write_report
 
     loaded = load_runs([f.result() for _, _, f in done], [f"{v} s{s}" for v, s, _ in done])
     print(write_report(loaded, out, title))

@@ -240,3 +240,15 @@ def calibrate_bounds(
                                     log_ratio_range=log_ratio_range or DEFAULT_LOG_RATIO_RANGE, rules=rules)
     ctrl.update(ratio_fp8, ratio_ref, advantages, mask, reduce=reduce, weights=weights)
     return ctrl.bounds
+
+
+def controller_from_config(calib, algo) -> CalibratedClipController:
+    """The controller of a run's `calib` and `algo` config sections (duck-typed: this layer knows no
+    config classes). Raises the controller's own ValueError, which starts with the knob's name, for
+    a bad value: the config validates the knobs at load by calling this."""
+    rules = Rules(low_min=calib.low_min, high_max=calib.high_max, alpha_tolerance=calib.alpha_tolerance,
+                  alpha_tolerance_tokens=calib.alpha_tolerance_tokens, balance=calib.balance)
+    return CalibratedClipController(eps_low=algo.eps_clip, eps_high=algo.eps_clip_high, period=calib.period,
+                                    smoothing=calib.smoothing, num_bins=calib.num_bins, mode=calib.mode,
+                                    init_low=calib.init_low, init_high=calib.init_high,
+                                    log_ratio_range=calib.log_ratio_range, rules=rules)

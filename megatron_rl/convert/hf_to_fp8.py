@@ -1,6 +1,6 @@
 """HF (BF16/FP32) checkpoint -> HF FP8 blockwise checkpoint in the layout SGLang loads, streamed.
 
-Every tensor the precision contract quantizes (sync.quantize.RolloutQuantSpec: 2-D `.weight`
+Every tensor the precision contract quantizes (fp8.rollout_quant.RolloutQuantSpec: 2-D `.weight`
 outside the high-precision substrings embed_tokens / lm_head / norm) becomes
 `X.weight` float8_e4m3fn [out, in] plus `X.weight_scale_inv` float32 [ceil(out/bo), ceil(in/bi)],
 quantized by the same quantizer as the weight sync (fp8.w8a8.quantize_weight_blockwise), so an
@@ -18,7 +18,7 @@ import torch
 from megatron_rl.convert.output import Summary, atomic_output_dir, copy_side_files, progress_bar
 from megatron_rl.convert.safetensors_io import HFSafetensors, ShardedSafetensorsWriter, TensorEntry
 from megatron_rl.models.hf_config import ModelSpec
-from megatron_rl.sync.quantize import RolloutQuantSpec
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 

@@ -8,12 +8,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from megatron_rl.data.loader import PromptLoader
-
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["PromptDataset", "PromptItem", "PromptLoader"]  # PromptLoader re-exported for callers
+__all__ = ["PromptDataset", "PromptItem"]
 
 logger = logging.getLogger(__name__)
 

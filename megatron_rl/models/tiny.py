@@ -34,6 +34,15 @@ def tiny_hf_config(arch: str, **overrides: Any):
     return classes[arch](**kwargs)
 
 
+def tiny_model_kwargs(m, tokenizer) -> dict:
+    """HF config fields of the tiny model of a `model` config section (this module's defaults fill the rest)."""
+    return dict(vocab_size=len(tokenizer), hidden_size=m.tiny_hidden_size,
+                num_hidden_layers=m.tiny_num_layers, num_attention_heads=m.tiny_num_heads,
+                num_key_value_heads=m.tiny_num_kv_heads, intermediate_size=m.tiny_ffn_hidden_size,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
 def make_tiny_hf_model(arch: str, out_dir: str | Path | None = None, *, seed: int = 0,
                        dtype: torch.dtype = torch.float32, **overrides: Any):
     """Build a random tiny HF causal LM; save it (config.json + safetensors) if out_dir is given.

@@ -80,7 +80,7 @@ class RolloutEngine(abc.ABC):
         engine.checksum(names)                          # optional: digests of what is held
 
     Colocated runs call release_memory() before training, then resume_memory(("weights",)), the
-    weight update, and resume_memory(("kv_cache",)) (megatron_rl/colocated.py owns the order);
+    weight update, and resume_memory(("kv_cache",)) (megatron_rl/loop/colocated.py owns the order);
     released weights are discarded (as SGLang's release_memory_occupation), so a full update must
     follow. tags=None means both regions.
     """

@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from megatron_rl.sync.quantize import RolloutQuantSpec
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec
 
 log = logging.getLogger("megatron_rl.rollout.sglang")
 

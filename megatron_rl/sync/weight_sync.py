@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl import collectives
 from megatron_rl.sync.buckets import NamedTensor, iter_buckets, tensor_bytes
-from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.sync.transport import WeightTransport, tensor_digest
 
 
@@ -32,7 +32,7 @@ class WeightSync:
     with PP > 1, send their stage's buckets to the engine rank over the PP group.
 
     wait_for_owners: every rank ends sync() at a world barrier, so a client rank (sampling through
-    SGLang servers another rank owns, megatron_rl.placement) never generates during their update.
+    SGLang servers another rank owns, megatron_rl.cluster.placement) never generates during their update.
     """
 
     def __init__(self, actor, transport: WeightTransport | None, quant: RolloutQuantSpec,

@@ -3,7 +3,7 @@
 ranks, the tiny model.
 
 Each job is checked against its own dry-run plan (logs/<job>/plan.json): every trainer rank reports
-its placement at build time (build.py's "placement" log line) and must sit where the plan puts it.
+its placement at build time (loop/build.py's "placement" log line) and must sit where the plan puts it.
 After every job no process of it may be left; what only the fake slurmstepd's end-of-step cleanup
 stopped is listed in reaped.txt, which must stay empty when the job ends normally.
 """

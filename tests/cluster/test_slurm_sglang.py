@@ -27,7 +27,7 @@ def _sglang(tmp: Path, *extra_server_flags: str) -> list[str]:
     """Overrides for a job on the SGLang doubles, from a tiny HF model that exists before the job (the
     disaggregated servers load it while the trainer starts)."""
     from megatron_rl.config import load_config
-    from megatron_rl.warmstart import prepare_tiny_model
+    from megatron_rl.loop.warmstart import prepare_tiny_model
 
     model = prepare_tiny_model(load_config(ROOT / "examples/tiny/bf16.yaml", TINY), tmp / "models")
     server = ",".join([sys.executable, str(DOUBLES / "sglang_server_double.py"), *extra_server_flags])

@@ -74,7 +74,7 @@ def rl_run(parallel, actor):
 def dp_run(parallel, hf_dir: str, ckpt_dir: str | None, resume_from: str | None) -> dict:
     """Two steps (and an async checkpoint at step 2), then a third; or: resume, then the third."""
     from megatron_rl.actor.actor import MegatronActor
-    from megatron_rl.checkpoint import Checkpointer
+    from megatron_rl.loop.checkpoint import Checkpointer
 
     settings = settings_for(parallel, **DIST_OPT)
     actor = MegatronActor.build(hf_dir, parallel=parallel, lr=LR, settings=settings)
@@ -164,8 +164,10 @@ def assert_weights_close(got: dict, ref: dict) -> None:
         # Adam divides by sqrt(v): on entries with tiny gradients, summation-order noise moves
         # the update by ~1e-6; bound every entry by 1% of one step. The key bias gets an exactly
         # zero gradient (softmax is shift-invariant per query), so there Adam turns the noise
-        # (~1e-9) into updates of up to lr: bound it by 2 lr.
-        atol = 2 * LR if name.endswith("k_proj.bias") else 1e-2 * LR
+        # (~1e-9) into updates of up to lr: bound it by 2 lr. Elsewhere 5% of one step: with
+        # torch 2.13 on CPU, TP=2 + SP moved one entry of 8192 (a down_proj) and one of 64 (a q bias)
+        # by 2-3% of lr; a sharding bug moves whole rows by about lr.
+        atol = 2 * LR if name.endswith("k_proj.bias") else 5e-2 * LR
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=atol, msg=name)
 
 

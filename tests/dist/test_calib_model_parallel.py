@@ -20,7 +20,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
     import torch.distributed as dist
 
-    from megatron_rl import rl_step
+    from megatron_rl.loop import phases
     from megatron_rl.config import load_config
 
     dist.init_process_group("gloo")
@@ -31,10 +31,10 @@ def _worker(rank: int, world_size: int) -> dict:
                           tokenizer=SimpleNamespace(batch_decode=lambda ids, **kw: ["x" * len(i) for i in ids]))
     prompts = [SimpleNamespace(answer="a")]
     samples = [SimpleNamespace(response_ids=[1, 2, 3]), SimpleNamespace(response_ids=[4])]
-    rewards, metrics, garbled = rl_step._score_on_engine_rank(run, prompts, samples)
-    rl_step.assert_same_across_model_parallel((0.75, 1.5), parallel)
+    rewards, metrics, garbled = phases._score_on_engine_rank(run, prompts, samples)
+    phases.assert_same_across_model_parallel((0.75, 1.5), parallel)
     try:
-        rl_step.assert_same_across_model_parallel((0.75, 1.5 + rank * 1e-12), parallel)
+        phases.assert_same_across_model_parallel((0.75, 1.5 + rank * 1e-12), parallel)
         differ = "not raised"
     except RuntimeError as err:
         differ = str(err)

@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_rl import build
+from megatron_rl.loop import build
 from megatron_rl.config import load_config
 from megatron_rl.rewards import get_reward_fn
-from megatron_rl.sync.quantize import quantize_for_rollout
+from megatron_rl.fp8.rollout_quant import quantize_for_rollout
 from megatron_rl.sync.transport import tensor_digest
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -8,7 +8,7 @@ from test_rl_loop import EXAMPLES, TINY
 
 
 def test_calibration_step_runs_two_bf16_forwards_on_the_calibration_rows(tmp_path):
-    from megatron_rl import build, rl_step
+    from megatron_rl.loop import build, phases
     from megatron_rl.actor.parallel import destroy_parallel
 
     cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*TINY, f"log.dir={tmp_path / 'run'}"])
@@ -26,8 +26,8 @@ def test_calibration_step_runs_two_bf16_forwards_on_the_calibration_rows(tmp_pat
         per_step = []
         for step in (0, 1):
             calls.clear()
-            batch = rl_step.prepare(run_, rl_step.generate(run_, run_.loader.next_batch(), step).batch, step, {})
-            out = rl_step.update_policy(run_, batch, step)
+            batch = phases.prepare(run_, phases.generate(run_, run_.loader.next_batch(), step).batch, step, {})
+            out = phases.update_policy(run_, batch, step)
             per_step.append((list(calls), out))
         (calls0, out0), (calls1, out1) = per_step
         # 16 rows: the FP8 old log-probs of the whole batch, then BF16 at theta_old and at the

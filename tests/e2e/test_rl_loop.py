@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.config import load_config
 from megatron_rl.rewards import register_reward_fn
-from megatron_rl.telemetry import read_jsonl
+from megatron_rl.telemetry.logger import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tiny"
 
@@ -77,7 +77,7 @@ def test_fp8_calibrated_run(tmp_path, config):
 
 def test_weights_change_and_engine_tracks_trainer(tmp_path):
     from megatron_rl.actor.parallel import destroy_parallel
-    from megatron_rl import build, rl_step
+    from megatron_rl.loop import build, phases
 
     cfg = load_config(EXAMPLES / "fp8_calibrated.yaml",
                       [*TINY, f"log.dir={tmp_path / 'run'}", "precision.rollout_quant=bf16"])
@@ -85,16 +85,16 @@ def test_weights_change_and_engine_tracks_trainer(tmp_path):
     try:
         run_.sync.sync()
         before = dict(run_.actor.export_hf_weights())
-        rollout = rl_step.generate(run_, run_.loader.next_batch(), 0)
-        batch = rl_step.prepare(run_, rollout.batch, 0, {})
-        rl_step.update_policy(run_, batch, 0)
+        rollout = phases.generate(run_, run_.loader.next_batch(), 0)
+        batch = phases.prepare(run_, rollout.batch, 0, {})
+        phases.update_policy(run_, batch, 0)
         run_.sync.sync()
         after = dict(run_.actor.export_hf_weights())
         changed = [n for n in before if not torch.equal(before[n], after[n])]
         assert len(changed) > len(before) // 2
         # with rollout quantization off, engine and trainer agree on the same tokens to 1e-4
         # (the trainer recomputes with FP8 off as well: the shadow pass)
-        fresh = rl_step.generate(run_, run_.loader.next_batch(), 1).batch
+        fresh = phases.generate(run_, run_.loader.next_batch(), 1).batch
         trainer = run_.actor.compute_logprobs(fresh, micro_batch_size=8, with_entropy=False, fp8=False)
         diff = (trainer["logprobs"] - fresh["rollout_logprobs"]).abs() * fresh["loss_mask"]
         assert float(diff.max()) <= 1e-4
@@ -157,7 +157,7 @@ def test_nan_reward_is_scored_zero_and_counted(tmp_path):
 
 def test_nan_guard_skips_the_update(tmp_path):
     """A NaN in the trainer's weights gives NaN log-probs: the step is skipped, nothing changes."""
-    from megatron_rl import build, rl_step
+    from megatron_rl.loop import build, phases
     from megatron_rl.actor.parallel import destroy_parallel
 
     cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*TINY, f"log.dir={tmp_path / 'run'}"])
@@ -169,8 +169,8 @@ def test_nan_guard_skips_the_update(tmp_path):
             param[0, 0] = float("nan")
         before = {n: p.detach().clone() for n, p in run_.actor.model[0].named_parameters()}
         metrics = {}
-        rollout = rl_step.generate(run_, run_.loader.next_batch(), 0)
-        assert rl_step.prepare(run_, rollout.batch, 0, metrics) is None
+        rollout = phases.generate(run_, run_.loader.next_batch(), 0)
+        assert phases.prepare(run_, rollout.batch, 0, metrics) is None
         assert metrics["step/skipped"] == 1.0 and metrics["guard/nonfinite_logprobs"] > 0
         after = dict(run_.actor.model[0].named_parameters())
         assert all(torch.equal(before[n], after[n], ) or torch.isnan(before[n]).any() for n in before)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.telemetry import read_jsonl
+from megatron_rl.telemetry.logger import read_jsonl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_rl_loop import EXAMPLES, TINY, run_tiny  # noqa: E402

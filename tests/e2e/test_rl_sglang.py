@@ -14,7 +14,7 @@ from sglang_testing import API_KEY, ROUTER_COMMAND, SERVER_COMMAND, free_port_bl
 from test_rl_loop import TINY as LOOP_TINY
 
 from megatron_rl.config import load_config
-from megatron_rl.telemetry import read_jsonl
+from megatron_rl.telemetry.logger import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tiny"
 

@@ -16,7 +16,7 @@ def test_plan_bounds_the_measured_peak(tiny_hf_factory, single_parallel):
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.config import load_config
     from megatron_rl.models.hf_config import ModelSpec
-    from megatron_rl.plan.memory import trainer_memory
+    from megatron_rl.cluster.memory import trainer_memory
 
     hf_dir = tiny_hf_factory("qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                              num_attention_heads=8, num_key_value_heads=4, head_dim=128,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.actor import megatron_compat
-from megatron_rl.build import build_actor_settings
+from megatron_rl.loop.build import build_actor_settings
 from megatron_rl.config import load_config
 from megatron_rl.fp8 import te_recipe
 

@@ -41,7 +41,7 @@ def test_pack_and_unpack_by_hand():
 
 
 def _rl_batch(num: int, width: int, seed: int) -> dict:
-    """Right-padded prompt + response rows of spread-out lengths, as rl_batch.collate makes them."""
+    """Right-padded prompt + response rows of spread-out lengths, as loop/batch.collate makes them."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.zeros(num, width, dtype=torch.int64)
     mask = torch.zeros(num, width)

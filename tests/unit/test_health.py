@@ -10,10 +10,10 @@ import pytest
 
 from megatron_rl.config import HealthConfig, load_config
 from megatron_rl.data.tasks import TASKS, TaskSpec
-from megatron_rl.health import SurgeDetector
-from megatron_rl.plotting import surge_spans
-from megatron_rl.report import summary_table
-from megatron_rl.telemetry import MetricsLogger
+from megatron_rl.telemetry.health import SurgeDetector
+from megatron_rl.telemetry.plotting import surge_spans
+from megatron_rl.telemetry.report import summary_table
+from megatron_rl.telemetry.logger import MetricsLogger
 
 NAN = float("nan")
 
@@ -208,7 +208,7 @@ def test_surge_spans_and_plot_marks(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_rl.plotting import _mark_surges, plot_runs
+    from megatron_rl.telemetry.plotting import _mark_surges, plot_runs
 
     recs = [{"step": s, "entropy": 1.0, "health/surge": float(s in (3, 4, 5, 8)),
              **({"health/surge_step": 1.0} if s >= 3 else {})} for s in range(10)]

@@ -13,8 +13,8 @@ import pytest
 from sglang_testing import needs_sglang_source
 
 from megatron_rl.config import load_config
-from megatron_rl.launch import expand_nodelist, serve_argvs, trainer_argv, world_from_env
-from megatron_rl.placement import placement_for_config
+from megatron_rl.cluster.launch import expand_nodelist, serve_argvs, trainer_argv, world_from_env
+from megatron_rl.cluster.placement import placement_for_config
 from megatron_rl.rollout.sglang_config import SGLangConfig, validate_sglang
 from megatron_rl.rollout.sglang_server import server_args
 
@@ -112,7 +112,7 @@ def test_serve_step_ends_when_a_server_exits_and_stops_the_others(tmp_path):
     import signal
     import time
 
-    from megatron_rl.launch import serve
+    from megatron_rl.cluster.launch import serve
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     survivor = tmp_path / "survivor.pid"

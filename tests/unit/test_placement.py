@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron_rl.placement import plan_placement
+from megatron_rl.cluster.placement import plan_placement
 
 
 def test_colocated_plan_by_hand():
@@ -93,9 +93,9 @@ def test_json_keys_are_the_documented_ones():
 
 
 def test_each_rank_gets_the_sglang_settings_of_its_role():
-    from megatron_rl.build import sglang_config_for
+    from megatron_rl.loop.build import sglang_config_for
     from megatron_rl.config import load_config
-    from megatron_rl.placement import placement_for_config
+    from megatron_rl.cluster.placement import placement_for_config
 
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.base_port=32000"])
     p = placement_for_config(cfg, ["a", "b"], 2)  # colocated, DP 4: owners 0 and 2

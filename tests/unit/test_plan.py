@@ -11,8 +11,8 @@ import torch
 from megatron_rl.cli import main as cli_main
 from megatron_rl.config import load_config
 from megatron_rl.models.hf_config import ModelSpec
-from megatron_rl.plan.memory import GB, Cluster, stage_params, trainer_memory
-from megatron_rl.plan.report import check_fits, plan
+from megatron_rl.cluster.memory import GB, Cluster, stage_params, trainer_memory
+from megatron_rl.cluster.plan import check_fits, plan
 
 ROOT = Path(__file__).parents[2]
 HF_CONFIGS = ROOT / "tests" / "data" / "hf_configs"

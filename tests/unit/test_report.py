@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_rl.report import load_runs, reduce_column, summary_table, write_report
+from megatron_rl.telemetry.report import load_runs, reduce_column, summary_table, write_report
 
 
 def _records():
@@ -43,7 +43,7 @@ def test_missing_run_folder_is_named(tmp_path):
 
 
 def test_claims_table_averages_seeds_per_variant():
-    from megatron_rl.report import claims_table
+    from megatron_rl.telemetry.report import claims_table
 
     runs = {"fp8 s1": [{"step": 0, "shadow/false_clip_low_neg": 0.1}, {"step": 1, "shadow/false_clip_low_neg": 0.3}],
             "fp8 s2": [{"step": 0, "shadow/false_clip_low_neg": 0.6}],

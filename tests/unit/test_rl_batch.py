@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.rl_batch import collate, mini_batches
-from megatron_rl.rl_step import pad_rows
+from megatron_rl.loop.batch import collate, mini_batches
+from megatron_rl.loop.phases import pad_rows
 
 
 @dataclass

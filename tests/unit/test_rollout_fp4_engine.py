@@ -11,7 +11,7 @@ from megatron_rl.config import load_config
 from megatron_rl.fp8.w4a4 import W4A4Linear, fake_quantize_activation
 from megatron_rl.rollout import SamplingParams, TorchRolloutEngine
 from megatron_rl.rollout.sglang_checkpoint import rollout_quant_spec
-from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from tests.unit.test_fp4 import ref_mxfp4, ref_nvfp4
 from tests.unit.test_rollout_fp8_engine import LINEARS, PROMPTS, tiny_model
 

@@ -14,7 +14,7 @@ import torch
 from megatron_rl.config import PrecisionConfig, load_config
 from megatron_rl.fp8.w8a8 import quantize_activation_groups
 from megatron_rl.rollout import sglang_checkpoint as ck
-from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 
 
 def fake_checkpoint(tmp_path, quantization_config=None, **dims):
@@ -113,12 +113,13 @@ def test_activation_quantizer_matches_sglang_per_token_group_arithmetic():
 
 
 def test_rollout_wait_of_non_engine_ranks_runs_on_the_gloo_twin(monkeypatch):
-    from megatron_rl import collectives, rl_step
+    from megatron_rl import collectives
+    from megatron_rl.loop import phases
 
     seen = []
     monkeypatch.setattr(collectives, "broadcast_object", lambda obj, src, group: seen.append(group) or obj)
     monkeypatch.setattr(collectives, "global_rank", lambda group, r: 0)
     parallel = types.SimpleNamespace(tp_size=2, pp_size=1, mp_group="nccl-mp-group")
     gloo = collectives.HostGroups(mp="gloo-mp-group", dp=None, world=None)
-    assert rl_step._broadcast_from_engine_rank(["s"], parallel, gloo) == ["s"]
+    assert phases._broadcast_from_engine_rank(["s"], parallel, gloo) == ["s"]
     assert seen == ["gloo-mp-group"]

@@ -101,8 +101,8 @@ def test_flush_is_retried_while_a_health_probe_holds_the_server(fp8_kv_server):
 
 def test_disaggregated_servers_get_the_whole_sglang_section():
     from megatron_rl.config import RunConfig
-    from megatron_rl.launch import serve_argvs
-    from megatron_rl.placement import placement_for_config
+    from megatron_rl.cluster.launch import serve_argvs
+    from megatron_rl.cluster.placement import placement_for_config
 
     cfg = RunConfig()
     cfg.rollout.engine = "sglang"

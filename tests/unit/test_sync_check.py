@@ -8,7 +8,7 @@ import torch
 
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.rollout.torch_engine import TorchRolloutEngine
-from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.sync.transport import InProcessTransport, tensor_digest
 from megatron_rl.sync.weight_sync import WeightSync, WeightSyncError
 

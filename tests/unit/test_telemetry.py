@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megatron_rl.plotting import plot_runs
-from megatron_rl.telemetry import MetricsLogger, read_jsonl
+from megatron_rl.telemetry.plotting import plot_runs
+from megatron_rl.telemetry.logger import MetricsLogger, read_jsonl
 
 
 def test_jsonl_and_tensorboard_share_keys(tmp_path):
@@ -39,7 +39,7 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_moving_average_by_hand():
-    from megatron_rl.plotting import moving_average
+    from megatron_rl.telemetry.plotting import moving_average
 
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([2.0], 5) == [2.0]

@@ -10,7 +10,7 @@ import torch
 from megatron_rl.rollout.torch_engine import TorchRolloutEngine
 from megatron_rl.sync.buckets import iter_buckets
 from megatron_rl.sync.disk_transport import INDEX, DiskTransport
-from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.sync.transport import tensor_digest
 from megatron_rl.sync.weight_sync import WeightSync
 

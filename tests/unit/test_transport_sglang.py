@@ -18,7 +18,7 @@ from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_payload import (distributed_spec, flatten_bucket, serialize_flattened,
                                                 unflatten_bucket)
 from megatron_rl.sync.buckets import iter_buckets
-from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.sync.transport import tensor_digest
 
 pytestmark = [needs_sglang_source, pytest.mark.timeout(120)]

@@ -90,7 +90,7 @@ def _fwd_bwd(layers, x) -> None:
 
 def bench_sync(model: str, layers: int, repeats: int, bucket_mb: float) -> dict:
     from megatron_rl.sync.buckets import iter_buckets, tensor_bytes
-    from megatron_rl.sync.quantize import RolloutQuantSpec, quantize_for_rollout
+    from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 
     weights = [(f"model.layers.{i}.{suffix}.weight", torch.randn(shape, device="cuda", dtype=torch.bfloat16))
                for i in range(layers) for suffix, shape in linear_shapes(model).items()]

@@ -7,7 +7,7 @@ memory), as ratios measured in the same run; prints JSON.
    tokens per second of each, their ratio, and the computed-token overhead of each layout.
 2. The log-prob / entropy kernel forward + backward on [--seq, --vocab] FP32 logits, whole and in
    chunks of --chunk rows, each in a fresh process: peak RSS above the logits themselves, the
-   ratio, and what the planner (megatron_rl/plan/memory.py) predicts for each.
+   ratio, and what the planner (megatron_rl/cluster/memory.py) predicts for each.
 
     OMP_NUM_THREADS=1 python tools/bench/packing.py
 (with the package installed, `pip install -e .`, or PYTHONPATH=. from the repository root)
@@ -103,7 +103,7 @@ def bench_logprobs(args) -> dict:
         out[f"{name}_peak_extra_bytes"] = queue.get(timeout=600)
         proc.join()
     out["chunked_over_whole_peak"] = out["chunked_peak_extra_bytes"] / out["whole_peak_extra_bytes"]
-    # The planner's FP32 working set (plan/memory.py _logprob_bytes, minus the logits and, for
+    # The planner's FP32 working set (cluster/memory.py _logprob_bytes, minus the logits and, for
     # chunks, plus their FP32 gradient): 5 [S, V] whole; 4 [chunk, V] + the [S, V] gradient chunked.
     out["planned_whole_extra_bytes"] = 5 * 4 * args.seq * args.vocab
     out["planned_chunked_extra_bytes"] = 4 * 4 * args.chunk * args.vocab + 4 * args.seq * args.vocab

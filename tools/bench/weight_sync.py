@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     args = parser.parse_args()
-    from megatron_rl.sync.quantize import RolloutQuantSpec
+    from megatron_rl.fp8.rollout_quant import RolloutQuantSpec
     from megatron_rl.sync.weight_sync import WeightSync
 
     actor = build_actor(args)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megatron_rl.plotting import plot_runs
-from megatron_rl.telemetry import read_jsonl
+from megatron_rl.telemetry.plotting import plot_runs
+from megatron_rl.telemetry.logger import read_jsonl
 
 FIGURES = {
     "learning.png": (("reward/mean", "reward"), ("entropy", "entropy"),

@@ -35,7 +35,7 @@ import torch
 
 from megatron_rl import collectives
 
-log = logging.getLogger("megatron_rl.checkpoint")
+log = logging.getLogger("megatron_rl.loop.checkpoint")
 
 
 def _barrier() -> None:

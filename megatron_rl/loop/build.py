@@ -13,10 +13,10 @@ import torch
 
 from megatron_rl import collectives
 from megatron_rl.config import RunConfig, save_config
-from megatron_rl.launch import placement_for_run
-from megatron_rl.placement import Placement
+from megatron_rl.cluster.launch import placement_for_run
+from megatron_rl.cluster.placement import Placement
 
-log = logging.getLogger("megatron_rl.build")
+log = logging.getLogger("megatron_rl.loop.build")
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Run:
         if self.is_log_rank:
             log.info("summary\n%s", self.logger.summary())
             if self.cfg.log.plot and self.logger.history:
-                from megatron_rl.plotting import plot_runs
+                from megatron_rl.telemetry.plotting import plot_runs
                 png = plot_runs({Path(self.cfg.log.dir).name: self.logger.history},
                                 Path(self.cfg.log.dir) / "curves.png",
                                 title=f"{self.cfg.precision.train_recipe} "
@@ -100,7 +100,7 @@ def build_model_dir(cfg: RunConfig, parallel) -> Path:
         if not (path / "config.json").is_file():
             raise ValueError(f"config key 'model.hf_dir': no HF checkpoint (config.json) in {path}")
         return path
-    from megatron_rl.warmstart import prepare_tiny_model
+    from megatron_rl.loop.warmstart import prepare_tiny_model
     cache = Path(cfg.log.dir).parent / ".tiny_models"
     if parallel.rank == 0:
         prepare_tiny_model(cfg, cache)
@@ -109,7 +109,8 @@ def build_model_dir(cfg: RunConfig, parallel) -> Path:
 
 
 def build_data(cfg: RunConfig, tokenizer, parallel):
-    from megatron_rl.data.datasets import PromptDataset, PromptLoader
+    from megatron_rl.data.datasets import PromptDataset
+    from megatron_rl.data.loader import PromptLoader
     from megatron_rl.data.tasks import make_task_dataset
 
     kw = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
@@ -213,7 +214,7 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
         return engine, transport, None
     placement = placement_for_run(cfg, parallel.world_size)
     host, node = placement.host_of(parallel.rank).host, os.environ.get("SLURMD_NODENAME")
-    if node and os.environ.get("MEGATRON_RL_HOSTS") and node != host:  # a plan from megatron_rl.launch
+    if node and os.environ.get("MEGATRON_RL_HOSTS") and node != host:  # a plan from megatron_rl.cluster.launch
         raise ValueError(f"rank {parallel.rank} runs on node {node} but the placement plan puts it on {host} "
                          "(torchrun's --node-rank must follow the plan's host order)")
     role = placement.rollout_role(parallel.rank)
@@ -236,15 +237,8 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
 
 
 def build_controller(cfg: RunConfig):
-    from megatron_rl.algo.calib_solve import Rules
-    from megatron_rl.algo.calibrated_clip import CalibratedClipController
-    c, a = cfg.calib, cfg.algo
-    rules = Rules(low_min=c.low_min, high_max=c.high_max, alpha_tolerance=c.alpha_tolerance,
-                  alpha_tolerance_tokens=c.alpha_tolerance_tokens, balance=c.balance)
-    return CalibratedClipController(eps_low=a.eps_clip, eps_high=a.eps_clip_high, period=c.period,
-                                    smoothing=c.smoothing, num_bins=c.num_bins, mode=c.mode,
-                                    init_low=c.init_low, init_high=c.init_high,
-                                    log_ratio_range=c.log_ratio_range, rules=rules)
+    from megatron_rl.algo.calibrated_clip import controller_from_config
+    return controller_from_config(cfg.calib, cfg.algo)
 
 
 def build_actor_settings(cfg: RunConfig):
@@ -292,10 +286,10 @@ def build_actor(cfg: RunConfig, settings, parallel, model_dir: Path):
 def build_run(cfg: RunConfig) -> Run:
     from megatron_rl.actor.parallel import init_parallel
     from megatron_rl.actor.quiet import megatron_quiet
-    from megatron_rl.checkpoint import Checkpointer
+    from megatron_rl.loop.checkpoint import Checkpointer
     from megatron_rl.rollout.sglang_checkpoint import rollout_quant_spec
     from megatron_rl.sync.weight_sync import WeightSync
-    from megatron_rl.telemetry import MetricsLogger
+    from megatron_rl.telemetry.logger import MetricsLogger
     from transformers import AutoTokenizer
 
     torch.manual_seed(cfg.train.seed)

@@ -2,7 +2,7 @@
 
 Fed one step's metrics at a time (`SurgeDetector.update`), it reads `entropy` (the policy's token
 mean entropy, logged by the update) and `health/garbled_rate` (the fraction of the step's responses
-that fail the task's format check, megatron_rl/rl_step.py) and adds:
+that fail the task's format check, megatron_rl/loop/phases.py) and adds:
 
     health/entropy_min    running minimum m_t of the entropy over the counted steps <= t
     health/entropy_rise   rise_t = entropy_t / max(m_t, MIN_ENTROPY) - 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.sync.buckets import NamedTensor
+NamedTensor = tuple[str, torch.Tensor]  # (HF name, tensor), as sync/buckets.py names it
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megatron_rl.config import RunConfig
 from megatron_rl.models.hf_config import ModelSpec
-from megatron_rl.plan.memory import GB, Cluster, kv_tokens, rollout_memory, trainer_memory
+from megatron_rl.cluster.memory import GB, Cluster, kv_tokens, rollout_memory, trainer_memory
 
 
 def is_colocated(cfg: RunConfig) -> bool:
@@ -36,7 +36,7 @@ def plan(cfg: RunConfig, spec: ModelSpec, cluster: Cluster, cuda: bool = True) -
     colocated = is_colocated(cfg)
     t_total, r_total = sum(trainer.values()), sum(rollout.values())
     if colocated:
-        # The protocol (rl_step.colocated) never holds both: the released engine keeps only its
+        # The protocol (loop/colocated.py) never holds both: the released engine keeps only its
         # CUDA graphs, the offloaded trainer only its CUDA context.
         peak = max(t_total + rollout["cuda_graphs"], r_total + trainer["cuda_context"])
     else:
@@ -76,10 +76,9 @@ def spec_of(cfg: RunConfig, hf_config: str | Path | None = None) -> ModelSpec:
                              "(pass --hf-config PATH to plan without the checkpoint)")
         return ModelSpec.from_hf_config(path)
     from megatron_rl.data.char_tokenizer import build_char_tokenizer
-    from megatron_rl.models.tiny import tiny_hf_config
-    from megatron_rl.warmstart import tiny_model_kwargs
+    from megatron_rl.models.tiny import tiny_hf_config, tiny_model_kwargs
 
-    kwargs = tiny_model_kwargs(cfg, build_char_tokenizer())
+    kwargs = tiny_model_kwargs(cfg.model, build_char_tokenizer())
     return ModelSpec.from_hf_config(tiny_hf_config(cfg.model.tiny_arch, **kwargs).to_dict())
 
 

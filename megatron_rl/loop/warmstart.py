@@ -32,13 +32,13 @@ def prepare_tiny_model(cfg, cache_root: str | Path) -> Path:
     if (out / "config.json").exists():
         return out
     from megatron_rl.data.char_tokenizer import build_char_tokenizer
-    from megatron_rl.models.tiny import make_tiny_hf_model
+    from megatron_rl.models.tiny import make_tiny_hf_model, tiny_model_kwargs
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = build_char_tokenizer()
     torch.manual_seed(cfg.train.seed)
-    model = make_tiny_hf_model(cfg.model.tiny_arch, None, **tiny_model_kwargs(cfg, tokenizer))
+    model = make_tiny_hf_model(cfg.model.tiny_arch, None, **tiny_model_kwargs(cfg.model, tokenizer))
     if cfg.train.sft_steps > 0:
         sft_warm_start(model, tokenizer, cfg)
     model.save_pretrained(tmp)
@@ -50,16 +50,6 @@ def prepare_tiny_model(cfg, cache_root: str | Path) -> Path:
             raise
         shutil.rmtree(tmp)  # a concurrent run published the same (deterministic) model first
     return out
-
-
-def tiny_model_kwargs(cfg, tokenizer) -> dict:
-    """HF config fields of the tiny model (models/tiny.py defaults fill the rest)."""
-    m = cfg.model
-    return dict(vocab_size=len(tokenizer), hidden_size=m.tiny_hidden_size,
-                num_hidden_layers=m.tiny_num_layers, num_attention_heads=m.tiny_num_heads,
-                num_key_value_heads=m.tiny_num_kv_heads, intermediate_size=m.tiny_ffn_hidden_size,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id)
 
 
 def _sft_batch(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

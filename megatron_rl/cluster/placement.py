@@ -1,8 +1,8 @@
 """Placement plan of a job: which host runs which trainer ranks and SGLang servers, and who owns what.
 
 Pure: config + world layout (hosts, GPUs per host, rollout hosts) -> `Placement`. The sbatch
-scripts print it (`megatron-rl launch --dry-run`), `megatron_rl.launch` starts exactly its servers
-and trainer ranks, and `build.py` asks it which rank owns which servers.
+scripts print it (`megatron-rl launch --dry-run`), `megatron_rl.cluster.launch` starts exactly its servers
+and trainer ranks, and `loop/build.py` asks it which rank owns which servers.
 
 Ownership (design.md section 10, "one owner per external resource"):
 
@@ -13,7 +13,7 @@ Ownership (design.md section 10, "one owner per external resource"):
   rank must be on the host; payloads are staged at pipeline stage 0 (sync/weight_sync.py relays the
   later stages there), so it must be a stage-0 rank.
 - disaggregated: the first `rollout_nodes` hosts run only servers (started by the serve step of
-  megatron_rl.launch) and the router (first rollout host, router_port). Global rank 0 (dp = tp =
+  megatron_rl.cluster.launch) and the router (first rollout host, router_port). Global rank 0 (dp = tp =
   pp = 0) owns every server: pause / update / continue and rank 0 of the NCCL weight group. slime
   does the same per PP stage (update_weight_from_distributed.py, `_is_pp_src_rank`: dp = tp = 0);
   here the relay has staged every stage's payload at stage 0, so one group suffices.
@@ -83,7 +83,7 @@ class Placement:
                 "dp": rank // (self.tp * self.cp) % dp, "pp": rank // (self.tp * self.cp * dp)}
 
     def is_replica_head(self, rank: int) -> bool:
-        """First rank of its data-parallel replica: the rank that samples (rl_step.generate)."""
+        """First rank of its data-parallel replica: the rank that samples (loop/phases.generate)."""
         c = self.coords(rank)
         return c["tp"] == 0 and c["cp"] == 0 and c["pp"] == 0
 
@@ -120,7 +120,7 @@ class Placement:
 
     def starts_servers(self, rank: int) -> bool:
         """Colocated: the owner launches its host's servers. Disaggregated servers are started by
-        the serve step of megatron_rl.launch, never by a trainer rank."""
+        the serve step of megatron_rl.cluster.launch, never by a trainer rank."""
         return self.layout == "colocated" and self.is_owner(rank)
 
     def trainer_hosts(self) -> list[HostPlan]:

@@ -2,12 +2,12 @@
 
 The sbatch scripts (slurm/) run two kinds of srun steps, one task per host each:
 
-    python -m megatron_rl.launch --role serve CONFIG [overrides]   # disaggregated rollout hosts
-    python -m megatron_rl.launch --role train CONFIG [overrides]   # trainer hosts: torchrun
+    python -m megatron_rl.cluster.launch --role serve CONFIG [overrides]   # disaggregated rollout hosts
+    python -m megatron_rl.cluster.launch --role train CONFIG [overrides]   # trainer hosts: torchrun
 
 and `megatron-rl launch --dry-run CONFIG [overrides] [--nodes N --gpus-per-node G]` prints the plan
-both compute (megatron_rl.placement). The trainer ranks recompute the same plan from the same
-environment in build.py, so the plan printed is the plan executed.
+both compute (megatron_rl.cluster.placement). The trainer ranks recompute the same plan from the same
+environment in loop/build.py, so the plan printed is the plan executed.
 
 World settings, from the environment or the flags: SLURM_JOB_NODELIST (hosts; the step's own
 SLURM_STEP_NODELIST is never used: every step must see the whole job), SLURMD_NODENAME (this host),
@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_rl.config import RunConfig, load_config
-from megatron_rl.placement import Placement, placement_for_config
+from megatron_rl.cluster.placement import Placement, placement_for_config
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """Slurm hostlist syntax -> host names: "gpu[01-03,07],login1" -> gpu01 gpu02 gpu03 gpu07 login1."""

@@ -1,13 +1,13 @@
-"""rl_step's side of Calibrated Clipping: the loss it builds, the histogram it feeds, the old log-prob source."""
+"""The loop phases' side of Calibrated Clipping: the loss it builds, the histogram it feeds, the old log-prob source."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_rl import rl_step
+from megatron_rl.loop import phases
 from megatron_rl.algo.metrics import reduce_metrics
-from megatron_rl.build import build_controller
+from megatron_rl.loop.build import build_controller
 from megatron_rl.config import load_config
 
 
@@ -30,7 +30,7 @@ def _micro_batch():
 def test_bf16_upper_clip_metric_is_measured_at_one_plus_eps_high():
     run = _run("algo.eps_clip_high=0.2")
     logprobs, mb = _micro_batch()
-    loss_fn = rl_step._loss_fn(run, denominator=4.0, bounds=(0.8, 1.6))  # calibrated H = 1.6
+    loss_fn = phases._loss_fn(run, denominator=4.0, bounds=(0.8, 1.6))  # calibrated H = 1.6
     _, metrics = loss_fn(logprobs, None, mb)
     reduced = reduce_metrics([metrics])
     assert reduced["clip/high_pos_ref"] == 1.0  # both A>0 tokens: 1.4 > 1.2 (at H it would be 0)
@@ -40,15 +40,15 @@ def test_bf16_upper_clip_metric_is_measured_at_one_plus_eps_high():
 def test_calibration_histogram_weighs_tokens_like_the_loss():
     run = _run("algo.use_tis=true", "algo.tis_mode=icepop")
     logprobs, mb = _micro_batch()
-    _, metrics = rl_step._loss_fn(run, 4.0, (0.8, 1.2), calibrating=True)(logprobs, None, mb)
+    _, metrics = phases._loss_fn(run, 4.0, (0.8, 1.2), calibrating=True)(logprobs, None, mb)
     hist = run.controller.new_histogram()
-    hist.merge(metrics[rl_step.HIST_KEY])
+    hist.merge(metrics[phases.HIST_KEY])
     # the IcePop-rejected A<0 token (ratio 1.0) is out; the one left is lower-clipped by BF16
     assert hist.scalar("neg_ref") == 1.0 and hist.scalar("neg_clip_ref") == 1.0
     assert hist.scalar("pos") == 2.0 and hist.scalar("pos_clip_ref") == 2.0
     # without the calibration flag the loss carries no histogram
-    _, plain = rl_step._loss_fn(run, 4.0, (0.8, 1.2))(logprobs, None, mb)
-    assert rl_step.HIST_KEY not in plain
+    _, plain = phases._loss_fn(run, 4.0, (0.8, 1.2))(logprobs, None, mb)
+    assert phases.HIST_KEY not in plain
 
 
 @pytest.mark.parametrize("use_rollout", [True, False])
@@ -59,7 +59,7 @@ def test_both_ratios_share_the_old_log_prob_source(use_rollout):
                                 {"logprobs": torch.full_like(b["old_logprobs"], -1.0)})
     run.cfg.train.micro_batch_size = 2
     _, mb = _micro_batch()
-    rl_step._shadow_old(run, mb)
+    phases._shadow_old(run, mb)
     if use_rollout:  # old log-probs are the rollout's: the BF16 ratio divides by them too, no pass
         assert mb["old_logprobs_ref"] is mb["old_logprobs"] and calls == []
     else:  # the trainer's: BF16 recompute at theta_old

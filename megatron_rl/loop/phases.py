@@ -12,9 +12,9 @@ import torch
 from megatron_rl import collectives
 from megatron_rl.actor.packing import pack_batch, pad_multiple, per_sequence, unpack
 from megatron_rl.data.tasks import get_task
-from megatron_rl.rl_batch import Batch, collate, mini_batches
+from megatron_rl.loop.batch import Batch, collate, mini_batches
 
-log = logging.getLogger("megatron_rl.rl_step")
+log = logging.getLogger("megatron_rl.loop.phases")
 
 
 @dataclass

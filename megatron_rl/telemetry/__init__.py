@@ -1,0 +1,1 @@
+"""What a run reports: the metrics logger (JSONL, TensorBoard), the surge detector, reports and plots."""
