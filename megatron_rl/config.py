@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -12,7 +13,9 @@ from typing import Any
 import yaml
 
 from megatron_rl.actor.settings import validate_parallel
-from megatron_rl.algo.calibrated_clip import controller_from_config
+from megatron_rl.algo.calibrated_clip import CALIB_LEVELS, controller_from_config
+from megatron_rl.algo.rollout_correction import ROLLOUT_RS_MODES, TIS_LEVELS
+from megatron_rl.algo.surrogates import CLIPPED_MODES, LOSS_MODES, SEQUENCE_RATIO_MODES
 from megatron_rl.rollout.sglang_config import SGLangConfig, validate_sglang
 
 TRAIN_RECIPES = ("bf16", "delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "mxfp4")
@@ -131,6 +134,24 @@ class AlgoConfig:
     kl_loss_type: str = "k3"
     kl_loss_coef: float = 0.0
     entropy_coef: float = 0.0
+    loss_mode: str = "vanilla"
+    """Per-token surrogate (verl's actor.policy_loss.loss_mode; docs/algo.md has each formula):
+    vanilla (PPO clip) | gspo (sequence ratio exp(mean log r), clipped per sequence; the paper's
+    eps 3e-4 / 4e-4) | gspo_token (GSPO-token) | cispo (-sg(clip(r)) A log pi; eps_clip may be >= 1,
+    no lower bound) | reinforce (ratio-free -A log pi) | dro (-(A log pi - dro_beta/2 (log r)^2))."""
+    tis_level: str = "token"
+    """TIS / IcePop weight per token, or per sequence: sequence = exp(sum_t log(pi_old / pi_rollout))
+    (verl rollout_is=sequence, NeMo-RL's sequence-level weights), geo_mean = exp(mean_t ...)."""
+    rollout_rs: str = ""
+    """Rejection sampling (verl's rollout_rs): "" off | token_k1 (tokens with log(pi_rollout / pi_old)
+    outside [log rollout_rs_threshold_low, log rollout_rs_threshold] leave the loss mask; TIS applies
+    on the rest)."""
+    rollout_rs_threshold: float = 2.0
+    """Upper ratio bound of token_k1 (verl's rollout_rs_threshold, here a float)."""
+    rollout_rs_threshold_low: float | None = None
+    """Lower ratio bound of token_k1; None = 1 / rollout_rs_threshold (verl's one-value form)."""
+    dro_beta: float = 1.0
+    """DRO's quadratic penalty weight beta (Tinker's dro `beta`), loss_mode=dro only."""
 
 
 @dataclass
@@ -171,6 +192,11 @@ class CalibConfig:
     bound landing in such a bin is not trusted (the previous one is kept)."""
     dump_dir: str = ""
     """If set, every reduced calibration histogram is saved there (offline ablations)."""
+    level: str = "token"
+    """token | sequence: calibrate (L, H) on token ratios, or on GSPO's sequence ratios (one entry
+    per sequence, weighted as the loss weighs it). Must match algo.loss_mode (sequence for gspo,
+    gspo_token). Sequence ratios sit within ~1e-3 of 1: set log_ratio_range so that a bin is under
+    a tenth of the clip band (e.g. 0.02 for eps 3e-4)."""
 
 
 @dataclass
@@ -312,7 +338,7 @@ _CHOICES = {
     "parallel.transformer_impl": ("auto", "transformer_engine", "local"),
     "precision.rollout_quant": ROLLOUT_QUANTS,
     "precision.scale_format": ("fp32", "ue8m0"),
-    "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo"),
+    "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "algo.tis_mode": ("truncate", "icepop"),
     "algo.kl_loss_type": ("k1", "k2", "k3"),
@@ -393,7 +419,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     for path in _POSITIVE:
         if not _get(cfg, path) > 0:
             raise ValueError(f"config key '{path}': must be > 0, got {_get(cfg, path)!r}")
-    if not 0.0 < cfg.algo.eps_clip < 1.0:
+    if not 0.0 < cfg.algo.eps_clip < (math.inf if cfg.algo.loss_mode == "cispo" else 1.0):
         raise ValueError(f"config key 'algo.eps_clip': must be in (0, 1), got {cfg.algo.eps_clip}")
     if cfg.algo.eps_clip_high <= 0.0:
         raise ValueError(f"config key 'algo.eps_clip_high': must be > 0, got {cfg.algo.eps_clip_high}")
@@ -431,6 +457,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                              "servers load a block-FP8 checkpoint (rollout.sglang.model_path or the automatic one)")
     validate_parallel(cfg)
     _validate_calib(cfg)
+    _validate_losses(cfg)
     return cfg
 
 
@@ -464,6 +491,47 @@ def _validate_calib(cfg: RunConfig) -> None:
         key = next((k for k in ("init_low", "init_high", "low_min", "high_max", "alpha_tolerance_tokens",
                                 "alpha_tolerance", "log_ratio_range") if str(err).startswith(k)), "calib")
         raise ValueError(f"config key 'calib.{key}': {err}") from None
+
+
+def _validate_losses(cfg: RunConfig) -> None:
+    """Loss modes, sequence-level weights, rejection and their combinations with calibration."""
+    a, c = cfg.algo, cfg.calib
+    for key, choices in (("algo.loss_mode", LOSS_MODES), ("algo.tis_level", TIS_LEVELS),
+                         ("algo.rollout_rs", ROLLOUT_RS_MODES), ("calib.level", CALIB_LEVELS)):
+        if _get(cfg, key) not in choices:
+            raise ValueError(f"config key '{key}': {_get(cfg, key)!r} is not one of {list(choices)}")
+    if a.eps_clip_c is not None and a.loss_mode not in CLIPPED_MODES:
+        raise ValueError(f"config key 'algo.eps_clip_c': dual-clip bounds the clipped surrogate; "
+                         f"loss_mode={a.loss_mode!r} has none (use one of {list(CLIPPED_MODES)})")
+    if a.tis_level != "token" and not a.use_tis:
+        raise ValueError(f"config key 'algo.tis_level': {a.tis_level!r} weights need algo.use_tis=true")
+    if not a.rollout_rs_threshold > 0.0:
+        raise ValueError(f"config key 'algo.rollout_rs_threshold': must be > 0, got {a.rollout_rs_threshold}")
+    low = a.rollout_rs_threshold_low
+    if low is not None and not 0.0 < low <= a.rollout_rs_threshold:
+        raise ValueError(f"config key 'algo.rollout_rs_threshold_low': must be in (0, rollout_rs_threshold="
+                         f"{a.rollout_rs_threshold}], got {low}")
+    if not a.dro_beta >= 0.0:
+        raise ValueError(f"config key 'algo.dro_beta': must be >= 0, got {a.dro_beta}")
+    if c.enabled or c.diagnose:
+        _validate_calib_level(cfg)
+
+
+def _validate_calib_level(cfg: RunConfig) -> None:
+    a, c = cfg.algo, cfg.calib
+    if a.loss_mode not in CLIPPED_MODES:
+        raise ValueError(f"config key 'calib.enabled': Calibrated Clipping matches the clip of the clipped "
+                         f"surrogate; loss_mode={a.loss_mode!r} zeroes no gradient (use one of {list(CLIPPED_MODES)})")
+    needed = "sequence" if a.loss_mode in SEQUENCE_RATIO_MODES else "token"
+    if c.level != needed:
+        raise ValueError(f"config key 'calib.level': loss_mode={a.loss_mode!r} clips {needed} ratios, so "
+                         f"calibration must be calib.level={needed}, got {c.level!r}")
+    band = min(math.log1p(a.eps_clip_high), -math.log1p(-a.eps_clip))
+    width = 2.0 * c.log_ratio_range / c.num_bins
+    if c.level == "sequence" and width > band / 10.0:
+        raise ValueError(f"config key 'calib.log_ratio_range': a histogram bin spans {width:.3g} in log r, more "
+                         f"than a tenth of the clip band ({band:.3g}); lower it to <= {band * c.num_bins / 20:.3g} "
+                         f"or raise calib.num_bins")
 
 
 def parse_override(text: str) -> tuple[str, Any]:

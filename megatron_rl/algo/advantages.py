@@ -1,8 +1,11 @@
-"""Outcome-reward advantages (GRPO, Dr. GRPO, leave-one-out) and DAPO's group filter and overlong shaping."""
+"""Outcome-reward advantages (GRPO, Dr. GRPO, leave-one-out, REINFORCE++ with baseline) and DAPO's
+group filter and overlong shaping."""
 
 from __future__ import annotations
 
 import torch
+
+from megatron_rl.algo.metrics import Reducer, identity_reduce
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -51,6 +54,41 @@ def grpo_advantages(
     # (0 + eps) would blow up to ~0.01: zero such groups exactly.
     constant = (grouped.amax(dim=1) == grouped.amin(dim=1)).unsqueeze(1)
     return torch.where(constant, 0.0, adv).reshape(-1)
+
+
+def reinforce_baseline_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    token_counts: torch.Tensor,
+    reduce: Reducer | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++ with baseline: the group mean subtracted, then whitened over the GLOBAL batch.
+
+    c_i = R_i - mean_g(R); A_i = (c_i - mu) / sqrt(var + eps), with mu and the unbiased var taken
+    over every response token of the global batch (each sample's c_i counted once per token, as
+    verl's masked_whiten of the broadcast score; OpenRLHF `reinforce_baseline`, slime
+    `reinforce_plus_plus_baseline`). Unlike GRPO no per-group std: the scale is the batch's.
+
+    Args:
+        rewards: [N] float, contiguous groups of `group_size` (this DP rank's shard).
+        token_counts: [N] response tokens per sample (0 leaves a sample out of mu and var, e.g. a
+            group dynamic sampling drops).
+        reduce: sums a float64 tensor across DP ranks (all_reduce on the DP group); one call.
+
+    Returns:
+        [N] float32 advantages (a sample with no tokens still gets its whitened value).
+    """
+    grouped = _grouped(rewards.to(torch.float64), group_size)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+    n = token_counts.to(torch.float64)
+    sums = torch.stack([n.sum(), (n * centred).sum(), (n * centred.square()).sum()])
+    count, total, total_sq = (reduce or identity_reduce)(sums).tolist()
+    if count < 2:
+        raise ValueError(f"reinforce_plus_plus_baseline needs >= 2 response tokens in the batch, got {count}")
+    mean = total / count
+    var = (total_sq - count * mean * mean) / (count - 1)
+    return ((centred - mean) / (max(var, 0.0) + eps) ** 0.5).to(torch.float32)
 
 
 def dynamic_sampling_keep(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

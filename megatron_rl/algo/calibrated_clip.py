@@ -26,8 +26,11 @@ from megatron_rl.algo.calib_solve import (
 )
 from megatron_rl.algo.metrics import Reducer
 from megatron_rl.algo.ratio_histogram import BALANCES, DEFAULT_LOG_RATIO_RANGE, DEFAULT_NUM_BINS, RatioHistogram
+from megatron_rl.algo.surrogates import CLIPPED_MODES
 
 CALIBRATION_MODES = ("two_sided", "lower_only")
+# What one histogram entry is: a token (its ratio r_t) or a sequence (GSPO's s_i = exp(mean_t log r_t)).
+CALIB_LEVELS = ("token", "sequence")
 SKIP_REASONS = ("empty", "nonfinite", "no_negative", "crossed")
 
 
@@ -248,7 +251,11 @@ def controller_from_config(calib, algo) -> CalibratedClipController:
     a bad value: the config validates the knobs at load by calling this."""
     rules = Rules(low_min=calib.low_min, high_max=calib.high_max, alpha_tolerance=calib.alpha_tolerance,
                   alpha_tolerance_tokens=calib.alpha_tolerance_tokens, balance=calib.balance)
-    return CalibratedClipController(eps_low=algo.eps_clip, eps_high=algo.eps_clip_high, period=calib.period,
+    # A loss mode without a gradient-zeroing clip (CISPO's weight bounds may be 0 and 5) is never
+    # calibrated (the config refuses it); its controller, carried by checkpoints, keeps the defaults.
+    clipped = algo.loss_mode in CLIPPED_MODES
+    eps_low, eps_high = (algo.eps_clip, algo.eps_clip_high) if clipped else (0.2, 0.2)
+    return CalibratedClipController(eps_low=eps_low, eps_high=eps_high, period=calib.period,
                                     smoothing=calib.smoothing, num_bins=calib.num_bins, mode=calib.mode,
                                     init_low=calib.init_low, init_high=calib.init_high,
                                     log_ratio_range=calib.log_ratio_range, rules=rules)

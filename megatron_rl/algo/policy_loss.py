@@ -1,4 +1,4 @@
-"""Clipped-surrogate policy loss (PPO/GRPO/DAPO, dual-clip, TIS/IcePop, KL, entropy) with a global denominator.
+"""Policy loss (PPO/GRPO/DAPO, GSPO, CISPO, REINFORCE, DRO; dual-clip, TIS/IcePop, rejection, KL, entropy).
 
 Shapes: B = sequences in the micro-batch, T = padded response length. All per-token inputs are
 [B, T] float with `mask` [B, T] (1 = response token). Semantics chosen among the peer frameworks
@@ -6,7 +6,8 @@ Shapes: B = sequences in the micro-batch, T = padded response length. All per-to
   ratio      r = exp(logprobs - old_logprobs), log-ratio clamped to +-20 before exp (zero gradient
              beyond; keeps A = 0 tokens from making NaN); masked positions are zeroed with
              torch.where, so padding holding NaN or garbage cannot leak in.
-  loss       max(-A r, -A clip(r, L, H)), and for A < 0 with dual-clip min(that, -c A).
+  loss       max(-A r, -A clip(r, L, H)), and for A < 0 with dual-clip min(that, -c A); the other
+             loss modes (surrogates.py) replace this per-token term, nothing else.
   clipped    a token counts as clipped only when the clipped branch binds strictly (ties and A = 0
              are not clipped); a clipped token has exactly zero gradient.
   aggregate  sum over this micro-batch divided by the GLOBAL `denominator` (loss_denominator), so
@@ -23,18 +24,30 @@ import torch
 
 from megatron_rl.algo.kl import KL_TYPES, kl_estimate
 from megatron_rl.algo.metrics import Metrics, Reducer, identity_reduce, masked_metric, mean_and_square, metric
-from megatron_rl.algo.rollout_correction import check_correction_args, importance_weights, mismatch_metrics
+from megatron_rl.algo.rollout_correction import (
+    ROLLOUT_RS_MODES,
+    importance_weights,
+    mismatch_metrics,
+    rejection_mask,
+)
+from megatron_rl.algo.surrogates import (  # noqa: F401 (clipped_surrogate, LOG_RATIO_CLAMP: public here too)
+    CLIPPED_MODES,
+    LOG_RATIO_CLAMP,
+    LOSS_MODES,
+    SEQUENCE_RATIO_MODES,
+    ClipMasks,
+    clipped_surrogate,
+    sequence_mean,
+    surrogate,
+)
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
-# exp(20) ~ 5e8: far outside any trust region, still finite in float32 (as verl).
-LOG_RATIO_CLAMP = 20.0
 
 
 def bounds_from_eps(eps_clip: float = 0.2, eps_clip_high: float | None = None) -> tuple[float, float]:
     """Ratio bounds (L, H) = (1 - eps_clip, 1 + eps_clip_high), eps_clip_high defaulting to eps_clip.
 
-    GRPO: eps 0.2 / 0.2; DAPO clip-higher: 0.2 / 0.28.
+    GRPO: eps 0.2 / 0.2; DAPO clip-higher: 0.2 / 0.28; GSPO: 3e-4 / 4e-4 (on sequence ratios).
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     if not 0.0 <= eps_clip < 1.0:
@@ -42,49 +55,6 @@ def bounds_from_eps(eps_clip: float = 0.2, eps_clip_high: float | None = None) -
     if high < 0.0:
         raise ValueError(f"eps_clip_high must be >= 0, got {high}")
     return 1.0 - eps_clip, 1.0 + high
-
-
-class ClipMasks(NamedTuple):
-    """Boolean [B, T] masks of tokens whose gradient the clip zeroes, by cause."""
-
-    low: torch.Tensor  # A < 0 and r < L
-    high: torch.Tensor  # A > 0 and r > H
-    dual: torch.Tensor  # A < 0 and the dual-clip bound -c A binds
-
-
-def clipped_surrogate(
-    log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    eps_clip_c: float | None = None,
-) -> tuple[torch.Tensor, ClipMasks]:
-    """The one clipped-surrogate primitive: per-token loss -A * f(r) and the binding-clip masks.
-
-    f(r) = L where (A < 0, r < L), H where (A > 0, r > H), c where dual-clip binds (A < 0, f > c),
-    else r. This equals max(-A r, -A clip(r, L, H)) [then min(., -c A) for A < 0] in value, and
-    selects branches with torch.where, so the gradient is exactly -A r dlogp unclipped and exactly 0
-    clipped (torch.maximum would split the gradient of ties).
-
-    Args:
-        log_ratio: [B, T] float, logprobs - old_logprobs (carries grad).
-        advantages: [B, T] float, per token.
-        clip_low, clip_high: ratio bounds L < H.
-        eps_clip_c: dual-clip constant c > 1, or None.
-
-    Returns:
-        per-token loss [B, T] (not masked) and ClipMasks.
-    """
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    neg, pos = advantages < 0, advantages > 0
-    low = neg & (ratio < clip_low)
-    high = pos & (ratio > clip_high)
-    factor = torch.where(low, clip_low, torch.where(high, clip_high, ratio))
-    dual = torch.zeros_like(low)
-    if eps_clip_c is not None:
-        dual = neg & (factor > eps_clip_c)
-        factor = torch.where(dual, eps_clip_c, factor)
-    return -advantages * factor, ClipMasks(low, high, dual)
 
 
 def _local_count(valid: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
@@ -153,7 +123,15 @@ def _check_knobs(
     eps_clip_c: float | None,
     loss_agg_mode: str,
     kl_loss_type: str,
+    loss_mode: str = "vanilla",
+    rollout_rs: str = "",
 ) -> None:
+    if loss_mode not in LOSS_MODES:
+        raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {loss_mode!r}")
+    if eps_clip_c is not None and loss_mode not in CLIPPED_MODES:
+        raise ValueError(f"eps_clip_c (dual-clip) needs a clipped loss_mode {CLIPPED_MODES}, got {loss_mode!r}")
+    if rollout_rs not in ROLLOUT_RS_MODES:
+        raise ValueError(f"rollout_rs must be one of {ROLLOUT_RS_MODES}, got {rollout_rs!r}")
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
     if kl_loss_type not in KL_TYPES:
@@ -181,9 +159,12 @@ def _check_needs(
     ref_logprobs: torch.Tensor | None,
     entropy_coef: float,
     entropy: torch.Tensor | None,
+    rollout_rs: str = "",
 ) -> None:
     if use_tis and rollout_logprobs is None:
         raise ValueError("use_tis=True needs rollout_logprobs")
+    if rollout_rs and rollout_logprobs is None:
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_logprobs")
     if kl_loss_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_loss_coef={kl_loss_coef} needs ref_logprobs")
     if entropy_coef != 0.0 and entropy is None:
@@ -290,13 +271,19 @@ def policy_loss(
     clip_high: float,
     eps_clip_c: float | None = None,
     loss_agg_mode: str = "token-mean",
+    loss_mode: str = "vanilla",
     rollout_logprobs: torch.Tensor | None = None,
     use_tis: bool = False,
     tis_clip: float = 2.0,
     tis_clip_low: float = 0.0,
     tis_mode: str = "truncate",
+    tis_level: str = "token",
     icepop_low: float = 0.5,
     icepop_high: float = 5.0,
+    rollout_rs: str = "",
+    rollout_rs_threshold: float = 2.0,
+    rollout_rs_threshold_low: float | None = None,
+    dro_beta: float = 1.0,
     ref_logprobs: torch.Tensor | None = None,
     kl_loss_type: str = "k3",
     kl_loss_coef: float = 0.0,
@@ -315,47 +302,61 @@ def policy_loss(
         old_logprobs: [B, T] float, policy at theta_old (trainer recompute, or rollout); detached.
         advantages: [B, T] float, per token (GRPO broadcasts the sequence advantage).
         mask: [B, T] bool/0-1, response tokens.
-        denominator: global normaliser from `loss_denominator` (same agg mode, all micro-batches, DP).
+        denominator: global normaliser from `loss_denominator` (same agg mode, all micro-batches, DP;
+            with rollout_rs, counted on the kept tokens: `loss_mask`).
         clip_low, clip_high: ratio bounds (L, H): bounds_from_eps(eps_clip, eps_clip_high) or the
-            CalibratedClipController's bounds.
-        eps_clip_c: dual-clip c > 1 (applies to A < 0 only), None = off.
+            CalibratedClipController's bounds. CISPO's bounds on its weight (L may be 0: no lower bound).
+        eps_clip_c: dual-clip c > 1 (applies to A < 0 only), None = off; clipped loss modes only.
         loss_agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
+        loss_mode: the per-token surrogate, surrogates.LOSS_MODES: "vanilla" | "gspo" | "gspo_token"
+            | "cispo" | "reinforce" | "dro" (dro_beta: its quadratic penalty weight).
         rollout_logprobs: [B, T] rollout-engine logprobs; enables mismatch/* metrics (over `mask`,
-            the pre-rejection mask, so IcePop rejection cannot hide mismatch) and TIS/IcePop.
-        use_tis, tis_mode, tis_clip, tis_clip_low, icepop_low, icepop_high: rollout correction,
-            see rollout_correction.importance_weights.
+            the pre-rejection mask, so rejection cannot hide mismatch), TIS/IcePop and rollout_rs.
+        use_tis, tis_mode, tis_level, tis_clip, tis_clip_low, icepop_low, icepop_high: rollout
+            correction, see rollout_correction.importance_weights (token or sequence weights).
+        rollout_rs, rollout_rs_threshold, rollout_rs_threshold_low: rejection sampling (verl's
+            token_k1): rejected tokens leave the loss mask; see rollout_correction.rejection_mask.
         ref_logprobs, kl_loss_type, kl_loss_coef: KL penalty against the reference policy (k1/k2/k3).
         entropy, entropy_coef: [B, T] per-token entropy (with grad) and the bonus weight.
-        ratio_ref: [B, T] high-precision (BF16 shadow) ratio of the same tokens, for false-clip
-            metrics; ref_clip_low/high are its bounds (default clip_low/high; pass 1 -/+ eps when
-            (L, H) are calibrated).
+        ratio_ref: [B, T] high-precision (BF16 shadow) token ratio of the same tokens, for false-clip
+            metrics (made a sequence ratio under the sequence loss modes); ref_clip_low/high are its
+            bounds (default clip_low/high; pass 1 -/+ eps when (L, H) are calibrated).
 
     Returns:
         (loss scalar with grad, metrics: dict of float64 [2] (numerator, denominator); reduce
         with metrics.reduce_metrics). `loss` and `pg_loss` reduce to the global-batch loss.
     """
-    _check_knobs(denominator, clip_low, clip_high, eps_clip_c, loss_agg_mode, kl_loss_type)
+    _check_knobs(denominator, clip_low, clip_high, eps_clip_c, loss_agg_mode, kl_loss_type, loss_mode, rollout_rs)
     _check_tensors(logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask, entropy=entropy,
                    rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, ratio_ref=ratio_ref)
-    _check_needs(use_tis, rollout_logprobs, kl_loss_coef, ref_logprobs, entropy_coef, entropy)
+    _check_needs(use_tis, rollout_logprobs, kl_loss_coef, ref_logprobs, entropy_coef, entropy, rollout_rs)
 
-    valid = mask.bool()
+    response = mask.bool()
+    metrics: Metrics = {}
+    valid = response
+    if rollout_rs:
+        valid, rs_metrics = rejection_mask(old_logprobs, rollout_logprobs, response, rollout_rs,
+                                           rollout_rs_threshold, rollout_rs_threshold_low)
+        metrics.update(rs_metrics)
     raw_log_ratio = logprobs.float() - old_logprobs.detach().float()
     log_ratio = torch.where(valid, raw_log_ratio, 0.0)
     adv = torch.where(valid, advantages.detach().float(), 0.0)
-    pg_tok, clips = clipped_surrogate(log_ratio, adv, clip_low, clip_high, eps_clip_c)
+    logprobs = torch.where(valid, logprobs.float(), 0.0)
+    sur = surrogate(loss_mode, logprobs=logprobs, log_ratio=log_ratio, advantages=adv, valid=valid,
+                    clip_low=clip_low, clip_high=clip_high, eps_clip_c=eps_clip_c, dro_beta=dro_beta)
+    pg_tok = sur.loss
+    metrics.update(sur.metrics)
 
-    metrics: Metrics = {"nonfinite_logprobs": metric((valid & ~torch.isfinite(raw_log_ratio)).sum(), valid.sum())}
+    metrics["nonfinite_logprobs"] = metric((response & ~torch.isfinite(raw_log_ratio)).sum(), response.sum())
     if rollout_logprobs is not None:
-        metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, valid))
+        metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, response))
     if use_tis:
         weights, tis_metrics = importance_weights(
-            old_logprobs, rollout_logprobs, valid, mode=tis_mode, tis_clip=tis_clip, tis_clip_low=tis_clip_low,
-            icepop_low=icepop_low, icepop_high=icepop_high,
+            old_logprobs, rollout_logprobs, response, mode=tis_mode, tis_clip=tis_clip, tis_clip_low=tis_clip_low,
+            icepop_low=icepop_low, icepop_high=icepop_high, level=tis_level,
         )
         pg_tok = pg_tok * weights
         metrics.update(tis_metrics)
-    logprobs = torch.where(valid, logprobs.float(), 0.0)
     penalty_tok, penalty_metrics = _penalties(
         logprobs, valid, ref_logprobs, kl_loss_type, kl_loss_coef, entropy, entropy_coef
     )
@@ -366,31 +367,57 @@ def policy_loss(
     # Metric sums in float64, so they add up the same whatever the micro-batch split.
     metrics["loss"] = metric(aggregate(total_tok.detach().double(), valid, loss_agg_mode)[0], count)
     metrics["pg_loss"] = metric(aggregate(pg_tok.detach().double(), valid, loss_agg_mode)[0], count)
-    metrics.update(_ratio_metrics(log_ratio, adv, clips, valid, clip_low, clip_high, eps_clip_c is not None))
+    metrics.update(_ratio_metrics(log_ratio, sur, adv, valid, clip_low, clip_high, eps_clip_c is not None))
     if ratio_ref is not None:
-        ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        ref_low = clip_low if ref_clip_low is None else ref_clip_low
-        ref_high = clip_high if ref_clip_high is None else ref_clip_high
-        metrics.update(reference_clip_metrics(ratio, ratio_ref, adv, clips, valid, ref_low, ref_high))
+        metrics.update(_reference_metrics(ratio_ref, sur, adv, valid, loss_mode, clip_low, clip_high,
+                                          ref_clip_low, ref_clip_high))
     return numerator / float(denominator), metrics
+
+
+def _reference_metrics(ratio_ref, sur, adv, valid, loss_mode, clip_low, clip_high, ref_clip_low, ref_clip_high):
+    """false_clip/* of the ratio the clip acts on: the token ratio, or GSPO's sequence ratio."""
+    if loss_mode in SEQUENCE_RATIO_MODES:
+        log_ref = torch.log(torch.where(valid, ratio_ref.detach().float(), 1.0))
+        ratio_ref = torch.exp(sequence_mean(log_ref, valid)).expand_as(log_ref)
+    ratio = torch.exp(sur.log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ref_low = clip_low if ref_clip_low is None else ref_clip_low
+    ref_high = clip_high if ref_clip_high is None else ref_clip_high
+    return reference_clip_metrics(ratio, ratio_ref, adv, sur.clips, valid, ref_low, ref_high)
 
 
 def _ratio_metrics(
     log_ratio: torch.Tensor,
+    sur,
     adv: torch.Tensor,
-    clips: ClipMasks,
     valid: torch.Tensor,
     clip_low: float,
     clip_high: float,
     dual_clip: bool,
 ) -> Metrics:
-    """ppo_kl = mean(old - new), log_ratio mean/std, and the clip fractions."""
+    """ppo_kl = mean(old - new), log_ratio mean/std (token ratios), and the clip fractions of the
+    ratio the clip acted on (the sequence ratio under GSPO)."""
     log_ratio = log_ratio.detach()
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    clip_ratio = torch.exp(sur.log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     out = {"ppo_kl": masked_metric(-log_ratio, valid)}
     out.update(mean_and_square("log_ratio", log_ratio, valid))
-    out.update(clip_metrics(ratio, adv, clips, valid, clip_low, clip_high, dual_clip))
+    out.update(clip_metrics(clip_ratio, adv, sur.clips, valid, clip_low, clip_high, dual_clip))
     return out
+
+
+def loss_mask(
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    rollout_rs: str = "",
+    rollout_rs_threshold: float = 2.0,
+    rollout_rs_threshold_low: float | None = None,
+) -> torch.Tensor:
+    """The tokens `policy_loss` aggregates, [B, T] bool: the response mask less what rollout_rs
+    rejects. Count the denominator on it (loss_denominator) when rejection is on."""
+    if not rollout_rs:
+        return mask.bool()
+    return rejection_mask(old_logprobs, rollout_logprobs, mask.bool(), rollout_rs, rollout_rs_threshold,
+                          rollout_rs_threshold_low)[0]
 
 
 def loss_token_weights(
@@ -399,20 +426,25 @@ def loss_token_weights(
     old_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     use_tis: bool = False,
+    rollout_rs: str = "",
+    rollout_rs_threshold: float = 2.0,
+    rollout_rs_threshold_low: float | None = None,
     **tis_kwargs,
 ) -> torch.Tensor:
     """The factor `policy_loss` puts on each token's surrogate before aggregating, detached.
 
     TIS / IcePop weight (use_tis; tis_kwargs as rollout_correction.importance_weights: mode,
-    tis_clip, tis_clip_low, icepop_low, icepop_high) times the aggregation weight (1 / n_b under
-    seq-mean-token-mean, else 1); 0 on padding. Calibrated Clipping weighs tokens by it, so that
-    its clip fractions and balances are those of the loss. Up to the global denominator, which
-    cancels in every fraction and balance.
+    tis_clip, tis_clip_low, icepop_low, icepop_high, level) times the aggregation weight (1 / n_b
+    under seq-mean-token-mean, n_b the kept tokens, else 1); 0 on padding and on rejected tokens.
+    Calibrated Clipping weighs tokens by it, so that its clip fractions and balances are those of
+    the loss. Up to the global denominator, which cancels in every fraction and balance.
     """
-    valid = mask.bool()
+    response = mask.bool()
+    valid = loss_mask(response, old_logprobs, rollout_logprobs, rollout_rs, rollout_rs_threshold,
+                      rollout_rs_threshold_low)
     weights = valid.float()
     if use_tis:
-        weights = weights * importance_weights(old_logprobs, rollout_logprobs, valid, **tis_kwargs)[0].detach()
+        weights = weights * importance_weights(old_logprobs, rollout_logprobs, response, **tis_kwargs)[0].detach()
     if loss_agg_mode == "seq-mean-token-mean":
         weights = weights / valid.sum(dim=-1, keepdim=True).clamp(min=1)
     return torch.where(valid, weights, 0.0)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from megatron_rl.algo.metrics import Reducer, identity_reduce
+from megatron_rl.algo.surrogates import LOG_RATIO_CLAMP, sequence_mean
 
 DEFAULT_NUM_BINS = 2048
 # log r in [-2, 2], i.e. r in [0.135, 7.39]; with 2048 bins one bin is 0.00195 in log r (0.2% in r).
@@ -142,6 +143,34 @@ class RatioHistogram:
         c = math.inf if dual_clip is None else float(dual_clip)
         self._add_fp8_side(r8, rr, adv, w * ~((adv < 0) & (r8 > c)))
         self._add_ref_side(rr, adv, w * ~((adv < 0) & (rr > c)))
+
+    def add_sequences(
+        self,
+        log_ratio_fp8: torch.Tensor,
+        log_ratio_ref: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        dual_clip: float | None = None,
+    ) -> None:
+        """Accumulate one micro-batch at the sequence level (GSPO): one entry per sequence.
+
+        The entry of sequence i is its ratio s_i = exp(mean_t log r_t) under FP8 and under the BF16
+        shadow, its advantage (the mean over its tokens: GRPO's one advantage per sequence) and its
+        loss weight, the sum of its tokens' weights (the loss's total factor on -A f(s_i)). From
+        there the histogram and every rule are the token-level ones, counted in sequences.
+
+        Args:
+            log_ratio_fp8, log_ratio_ref: [B, T] float token log-ratios (FP8 trainer, BF16 shadow).
+            advantages, mask, weights: [B, T] as in `add` (weights: loss_token_weights; None = 1).
+        """
+        valid = mask.detach().bool()
+        weights = torch.ones_like(log_ratio_fp8) if weights is None else weights
+        log8, log_ref, adv = (sequence_mean(t.detach().double(), valid)
+                              for t in (log_ratio_fp8, log_ratio_ref, advantages))
+        log8, log_ref = log8.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), log_ref.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        w = torch.where(valid, weights.detach().double(), 0.0).sum(dim=-1, keepdim=True)
+        self.add(log8.exp(), log_ref.exp(), adv, valid.any(dim=-1, keepdim=True), weights=w, dual_clip=dual_clip)
 
     def _add_fp8_side(self, r8: torch.Tensor, rr: torch.Tensor, adv: torch.Tensor, w: torch.Tensor) -> None:
         neg, pos = (adv < 0) & (w > 0), (adv > 0) & (w > 0)

@@ -64,12 +64,14 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
                      "reward/timeouts": float(stats["num_timeouts"])}, garbled
 
 
-def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
-    from megatron_rl.algo.advantages import grpo_advantages
+def _advantages(run, rewards: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+    """token_counts [N]: response tokens of each kept sample (0 for a dropped group)."""
+    from megatron_rl.algo.advantages import grpo_advantages, reinforce_baseline_advantages
 
-    est = run.cfg.algo.advantage_estimator
-    return grpo_advantages(rewards, run.cfg.rollout.n_samples_per_prompt,
-                           norm_by_std=est == "grpo", leave_one_out=est == "rloo")
+    est, n = run.cfg.algo.advantage_estimator, run.cfg.rollout.n_samples_per_prompt
+    if est == "reinforce_plus_plus_baseline":  # whitened over the global batch: DP ranks reduce
+        return reinforce_baseline_advantages(rewards, n, token_counts, reduce=run.parallel.dp_reducer())
+    return grpo_advantages(rewards, n, norm_by_std=est == "grpo", leave_one_out=est == "rloo")
 
 
 def generate(run, prompts, step: int) -> Rollout:
@@ -96,7 +98,7 @@ def generate(run, prompts, step: int) -> Rollout:
     if kept_total == 0:
         metrics["step/skipped"] = 1.0
         return Rollout(None, metrics)
-    advantages = _advantages(run, rewards)
+    advantages = _advantages(run, rewards, lengths * keep)
     batch = collate(samples, advantages, run.tokenizer.pad_token_id)
     metrics["step/skipped"] = 0.0
     return Rollout(_drop_groups(batch, keep, run.parallel.dp_size), metrics)
@@ -216,7 +218,8 @@ def _shadow_step(run, step: int) -> bool:
 
 def _bounds(run) -> tuple[float, float]:
     a = run.cfg.algo
-    return run.controller.bounds if run.cfg.calib.enabled else (1.0 - a.eps_clip, 1.0 + a.eps_clip_high)
+    # max(0, .): CISPO's eps_clip >= 1 means no lower bound on its weight (slime, MiniMax-M1).
+    return run.controller.bounds if run.cfg.calib.enabled else (max(0.0, 1.0 - a.eps_clip), 1.0 + a.eps_clip_high)
 
 
 # Metrics of the calibration mini-batch, where FP8 and the BF16 shadow see the same tokens.
@@ -259,18 +262,29 @@ def _shadow_ratio(run, mb: Batch) -> None:
 def _histogram_payload(run, logprobs: torch.Tensor, mb: Batch) -> torch.Tensor:
     """This micro-batch's calibration histogram: the FP8 ratio of the training forward itself,
     every token weighted as the loss weighs it (TIS / IcePop, aggregation, dual-clip)."""
-    from megatron_rl.algo.policy_loss import LOG_RATIO_CLAMP, loss_token_weights
+    from megatron_rl.algo.policy_loss import LOG_RATIO_CLAMP, loss_mask, loss_token_weights
 
     a = run.cfg.algo
-    mask, old = mb["loss_mask"].cpu(), mb["old_logprobs"].cpu()
+    mask, old, rollout = mb["loss_mask"].cpu(), mb["old_logprobs"].cpu(), mb["rollout_logprobs"].cpu()
     log_ratio = ((logprobs.detach().float().cpu() - old) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    weights = loss_token_weights(mask, a.loss_agg_mode, old, mb["rollout_logprobs"].cpu(), a.use_tis,
+    weights = loss_token_weights(mask, a.loss_agg_mode, old, rollout, a.use_tis, **_rs_kwargs(a),
                                  mode=a.tis_mode, tis_clip=a.tis_clip, tis_clip_low=a.tis_clip_low,
-                                 icepop_low=a.icepop_low, icepop_high=a.icepop_high)
+                                 icepop_low=a.icepop_low, icepop_high=a.icepop_high, level=a.tis_level)
     hist = run.controller.new_histogram()
-    hist.add(log_ratio.exp(), mb["ratio_ref"].cpu(), mb["advantages"].cpu(), mask, weights=weights,
-             dual_clip=a.eps_clip_c)
+    if run.cfg.calib.level == "sequence":  # GSPO: one entry per sequence, over the tokens the loss keeps
+        kept = loss_mask(mask, old, rollout, **_rs_kwargs(a))
+        hist.add_sequences(log_ratio, torch.log(mb["ratio_ref"].cpu()), mb["advantages"].cpu(), kept,
+                           weights=weights, dual_clip=a.eps_clip_c)
+    else:
+        hist.add(log_ratio.exp(), mb["ratio_ref"].cpu(), mb["advantages"].cpu(), mask, weights=weights,
+                 dual_clip=a.eps_clip_c)
     return hist.payload
+
+
+def _rs_kwargs(a) -> dict:
+    """The rejection-sampling knobs of algo config `a`, as policy_loss / loss_mask take them."""
+    return {"rollout_rs": a.rollout_rs, "rollout_rs_threshold": a.rollout_rs_threshold,
+            "rollout_rs_threshold_low": a.rollout_rs_threshold_low}
 
 
 def _calibrate(run, metric_dicts: list[dict], step: int) -> dict[str, float]:
@@ -329,8 +343,9 @@ def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: 
         loss, metrics = policy_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], denominator=denominator,
             clip_low=bounds[0], clip_high=bounds[1], eps_clip_c=a.eps_clip_c, loss_agg_mode=a.loss_agg_mode,
+            loss_mode=a.loss_mode, dro_beta=a.dro_beta, **_rs_kwargs(a),
             rollout_logprobs=mb["rollout_logprobs"], use_tis=a.use_tis, tis_clip=a.tis_clip,
-            tis_clip_low=a.tis_clip_low, tis_mode=a.tis_mode, icepop_low=a.icepop_low,
+            tis_clip_low=a.tis_clip_low, tis_mode=a.tis_mode, tis_level=a.tis_level, icepop_low=a.icepop_low,
             icepop_high=a.icepop_high, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
             entropy=entropy, entropy_coef=a.entropy_coef, ratio_ref=mb.get("ratio_ref"),
             ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
@@ -347,7 +362,7 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
     provides the FP8 ratio; the new (L, H) apply from the next step. Its BF16 theta_old pass runs
     before the first update (the splits are drawn up front, the same draws as one by one)."""
     from megatron_rl.algo.metrics import reduce_metrics
-    from megatron_rl.algo.policy_loss import loss_denominator
+    from megatron_rl.algo.policy_loss import loss_denominator, loss_mask
 
     t0 = time.perf_counter()
     cfg, reduce = run.cfg, run.parallel.dp_reducer()
@@ -362,7 +377,8 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
             calibrating = "old_logprobs_ref" in mb
             if calibrating:
                 _shadow_ratio(run, mb)
-            denominator = loss_denominator(mb["loss_mask"], cfg.algo.loss_agg_mode, reduce=reduce)
+            kept = loss_mask(mb["loss_mask"], mb["old_logprobs"], mb["rollout_logprobs"], **_rs_kwargs(cfg.algo))
+            denominator = loss_denominator(kept, cfg.algo.loss_agg_mode, reduce=reduce)
             actor_mb, mbs, _ = _actor_batch(run, mb)
             result = run.actor.train_step(actor_mb, _loss_fn(run, denominator, _bounds(run), calibrating),
                                           micro_batch_size=mbs,
