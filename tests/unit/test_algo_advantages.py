@@ -78,3 +78,22 @@ def test_overlong_penalty_by_hand():
 def test_overlong_penalty_rejects_bad_knobs(buffer_len, factor):
     with pytest.raises(ValueError):
         overlong_penalty(torch.tensor([5]), 20, buffer_len, factor)
+
+
+def test_reinforce_baseline_by_hand_token_weighted_global_whitening():
+    from megatron_rl.algo.advantages import reinforce_baseline_advantages
+
+    # groups of 2: centred [0.5, -0.5, 0, 0]; token counts [1, 1, 2, 0] -> values 0.5, -0.5, 0, 0
+    # over 4 tokens: mean 0, unbiased var (0.25 + 0.25) / 3 = 1/6 (the last sample counts no token)
+    got = reinforce_baseline_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, torch.tensor([1, 1, 2, 0]))
+    s = math.sqrt(1 / 6 + 1e-8)
+    assert torch.allclose(got, torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0]), atol=1e-6)
+    # a mean off zero is removed too: centred [1, -1] over 3 + 1 tokens -> mean 0.5, var (3*0.25 + 2.25) / 3 = 1
+    got = reinforce_baseline_advantages(torch.tensor([2.0, 0.0]), 2, torch.tensor([3, 1]))
+    assert torch.allclose(got, torch.tensor([0.5, -1.5]), atol=1e-6)
+    calls = []
+    reinforce_baseline_advantages(torch.tensor([2.0, 0.0]), 2, torch.tensor([3, 1]),
+                                  reduce=lambda t: calls.append(t.dtype) or t)
+    assert calls == [torch.float64]  # one all-reduce of the sums
+    with pytest.raises(ValueError, match="reinforce_plus_plus_baseline"):
+        reinforce_baseline_advantages(torch.tensor([1.0, 0.0]), 2, torch.tensor([1, 0]))
