@@ -15,10 +15,18 @@ logger = logging.getLogger(__name__)
 MAX_LOGGED_FAILURES = 5  # per score() call; the stats always hold the full counts
 
 
-def _worker_main(fn: RewardFn, conn: Connection) -> None:
-    """Score batches [(index, response, answer)] until None arrives; one reply per item, in order."""
+def _worker_main(fn: RewardFn, conn: Connection, parent_end: Connection | None = None) -> None:
+    """Score batches [(index, response, answer)] until None arrives or the parent is gone; one reply
+    per item, in order. A forked worker inherits the parent's end of the pipe: closed here, or the
+    worker would never read EOF after a SIGKILLed parent and outlive it (orphaned, out of reach of a
+    scheduler that ends a job by its process tree)."""
+    if parent_end is not None:
+        parent_end.close()
     while True:
-        batch = conn.recv()
+        try:
+            batch = conn.recv()
+        except EOFError:
+            return
         if batch is None:
             return
         for index, response, answer in batch:
@@ -67,7 +75,8 @@ class RewardRunner:
                 self._kill_worker()
                 self.num_restarts += 1
             parent_conn, child_conn = self._ctx.Pipe()
-            self._proc = self._ctx.Process(target=_worker_main, args=(self.fn, child_conn), daemon=True)
+            self._proc = self._ctx.Process(target=_worker_main, args=(self.fn, child_conn, parent_conn),
+                                          daemon=True)
             self._proc.start()
             # Close the parent's copy of the child end: otherwise a dead worker never reads as EOF.
             child_conn.close()

@@ -81,3 +81,37 @@ def test_bad_arguments():
         RewardRunner(exact_match, mp_context="threads")
     with RewardRunner(exact_match) as runner, pytest.raises(ValueError, match="2 responses but 1 answers"):
         runner.score(["a", "b"], ["a"])
+
+
+def test_worker_ends_when_its_parent_is_killed():
+    """A rank SIGKILLed mid-run (a dead peer, the OOM killer) must not leave its reward worker
+    behind: orphaned, it escapes a scheduler that ends a job by its process tree."""
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "from megatron_rl.rewards import RewardRunner, exact_match\n"
+        "r = RewardRunner(exact_match, timeout_s=5.0)\n"
+        "r.score(['a'], ['a'])\n"
+        "print(r._proc.pid, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(worker)
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
