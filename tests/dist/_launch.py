@@ -1,7 +1,7 @@
 """Run a function on N real processes joined in a gloo group (torchrun-style env vars), for tests.
 
     def worker(rank: int, world_size: int, arg) -> dict: ...   # module-level, importable
-    results = run_distributed(worker, world_size=2, args=(arg,), timeout_s=300)
+    results = run_distributed(worker, world_size=2, args=(arg,), timeout_s=180)
 
 Each child gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (a free loopback port)
 and OMP_NUM_THREADS=1, calls worker(rank, world_size, *args), and sends back its return value
@@ -49,7 +49,7 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, args: tuple, que
 
 
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (),
-                    timeout_s: float = 300.0) -> list[Any]:
+                    timeout_s: float = 180.0) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size spawned processes; results in rank order."""
     import torch
 

@@ -92,7 +92,7 @@ def hf_dirs(tiny_hf_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def distributed(hf_dirs) -> list[dict]:
-    return run_distributed(worker, world_size=2, args=(hf_dirs,), timeout_s=400)
+    return run_distributed(worker, world_size=2, args=(hf_dirs,), timeout_s=180)
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,7 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def distributed(hf_dir, ckpt_dir) -> list[dict]:
-    return run_distributed(worker, world_size=2, args=(hf_dir, str(ckpt_dir)), timeout_s=400)
+    return run_distributed(worker, world_size=2, args=(hf_dir, str(ckpt_dir)), timeout_s=180)
 
 
 def plain_reference(parallel, hf_dir: str) -> dict:

@@ -104,7 +104,7 @@ def paths(tiny_hf_factory, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def results(paths) -> list[dict]:
-    return run_distributed(worker, world_size=2, args=(paths,), timeout_s=500)
+    return run_distributed(worker, world_size=2, args=(paths,), timeout_s=180)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

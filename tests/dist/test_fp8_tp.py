@@ -149,7 +149,7 @@ def hf_dir(tiny_hf_factory) -> str:
 
 @pytest.fixture(scope="module")
 def distributed(hf_dir) -> list[dict]:
-    return run_distributed(worker, world_size=2, args=(hf_dir,), timeout_s=500)
+    return run_distributed(worker, world_size=2, args=(hf_dir,), timeout_s=180)
 
 
 @pytest.fixture(scope="module")

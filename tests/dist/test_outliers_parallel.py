@@ -35,7 +35,7 @@ def worker(rank: int, world_size: int, hf_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(qwen2_dir, single_parallel) -> tuple[dict, list[dict]]:
     reference = planted(single_parallel, qwen2_dir)
-    return reference, run_distributed(worker, world_size=2, args=(str(qwen2_dir),), timeout_s=300)
+    return reference, run_distributed(worker, world_size=2, args=(str(qwen2_dir),), timeout_s=180)
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in LAYOUTS])

@@ -63,7 +63,7 @@ def worker(rank: int, world_size: int, hf_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def distributed(qwen3_dir) -> list[dict]:
-    return run_distributed(worker, world_size=2, args=(str(qwen3_dir),), timeout_s=400)
+    return run_distributed(worker, world_size=2, args=(str(qwen3_dir),), timeout_s=180)
 
 
 def test_chunked_kernel_at_tp2(distributed):

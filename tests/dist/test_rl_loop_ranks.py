@@ -21,7 +21,6 @@ from _launch import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from loop_trace import check_sample_flow, trace_run  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
 PER_RANK = ("time/", "sync/seconds", "sync/gb_per_s")  # wall-clock metrics differ by rank
 
 
@@ -71,7 +70,7 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     log_dir = tmp_path_factory.mktemp("loop2")  # both traces share one warm-started tiny model
-    return run_distributed(_worker, world_size=2, args=(str(log_dir),), timeout_s=600)
+    return run_distributed(_worker, world_size=2, args=(str(log_dir),), timeout_s=180)
 
 
 def test_dp_ranks_shard_prompts_score_their_own_and_agree_on_the_rest(ranks):
