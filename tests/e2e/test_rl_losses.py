@@ -32,8 +32,9 @@ def test_cispo_with_tis_trains_five_steps(tmp_path):
 
 
 def test_reinforce_baseline_with_rejection_trains_five_steps(tmp_path):
-    records = run_tiny(tmp_path, "fp8.yaml", "train.num_steps=5", "algo.advantage_estimator=reinforce_plus_plus_baseline",
-                       "algo.rollout_rs=token_k1", "algo.rollout_rs_threshold=1.5")
+    records = run_tiny(tmp_path, "fp8.yaml", "train.num_steps=5",
+                       "algo.advantage_estimator=reinforce_plus_plus_baseline", "algo.rollout_rs=token_k1",
+                       "algo.rollout_rs_threshold=1.5")
     trained = [r for r in records if not r["step/skipped"]]
     assert len(trained) >= 4
     _finite(trained, LOSS_KEYS + ("rollout_rs_masked_fraction", "tis_clipfrac"))
