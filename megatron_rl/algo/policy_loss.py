@@ -36,6 +36,7 @@ from megatron_rl.algo.surrogates import (  # noqa: F401 (clipped_surrogate, LOG_
     LOSS_MODES,
     SEQUENCE_RATIO_MODES,
     ClipMasks,
+    Surrogate,
     clipped_surrogate,
     sequence_mean,
     surrogate,
@@ -374,7 +375,9 @@ def policy_loss(
     return numerator / float(denominator), metrics
 
 
-def _reference_metrics(ratio_ref, sur, adv, valid, loss_mode, clip_low, clip_high, ref_clip_low, ref_clip_high):
+def _reference_metrics(ratio_ref: torch.Tensor, sur: Surrogate, adv: torch.Tensor, valid: torch.Tensor,
+                       loss_mode: str, clip_low: float, clip_high: float, ref_clip_low: float | None,
+                       ref_clip_high: float | None) -> Metrics:
     """false_clip/* of the ratio the clip acts on: the token ratio, or GSPO's sequence ratio."""
     if loss_mode in SEQUENCE_RATIO_MODES:
         log_ref = torch.log(torch.where(valid, ratio_ref.detach().float(), 1.0))
@@ -387,7 +390,7 @@ def _reference_metrics(ratio_ref, sur, adv, valid, loss_mode, clip_low, clip_hig
 
 def _ratio_metrics(
     log_ratio: torch.Tensor,
-    sur,
+    sur: Surrogate,
     adv: torch.Tensor,
     valid: torch.Tensor,
     clip_low: float,

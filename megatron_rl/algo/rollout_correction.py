@@ -105,7 +105,8 @@ def rejection_mask(
     low = 1.0 / threshold if threshold_low is None else threshold_low
     if not 0.0 < low <= threshold:
         raise ValueError(f"need 0 < rollout_rs_threshold_low <= rollout_rs_threshold, got {low}, {threshold}")
-    d = (old_logprobs.detach().double() - rollout_logprobs.detach().double()).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    d = old_logprobs.detach().double() - rollout_logprobs.detach().double()
+    d = d.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
     k1 = torch.where(valid, -d, 0.0)
     kept = valid & (k1 >= math.log(low)) & (k1 <= math.log(threshold))
     return kept, {"rollout_rs_masked_fraction": masked_metric((valid & ~kept).double(), valid)}

@@ -355,6 +355,15 @@ def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: 
     return loss_fn
 
 
+def _denominator(run, mb: Batch, reduce) -> float:
+    """The global loss denominator of a mini-batch, counted on the tokens the loss keeps (the
+    rejection mask removes some); `reduce` sums over the DP group."""
+    from megatron_rl.algo.policy_loss import loss_denominator, loss_mask
+
+    kept = loss_mask(mb["loss_mask"], mb["old_logprobs"], mb["rollout_logprobs"], **_rs_kwargs(run.cfg.algo))
+    return loss_denominator(kept, run.cfg.algo.loss_agg_mode, reduce=reduce)
+
+
 def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
     """PPO epochs over shuffled mini-batches; on shadow steps the last mini-batch calibrates.
 
@@ -362,7 +371,6 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
     provides the FP8 ratio; the new (L, H) apply from the next step. Its BF16 theta_old pass runs
     before the first update (the splits are drawn up front, the same draws as one by one)."""
     from megatron_rl.algo.metrics import reduce_metrics
-    from megatron_rl.algo.policy_loss import loss_denominator, loss_mask
 
     t0 = time.perf_counter()
     cfg, reduce = run.cfg, run.parallel.dp_reducer()
@@ -377,8 +385,7 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
             calibrating = "old_logprobs_ref" in mb
             if calibrating:
                 _shadow_ratio(run, mb)
-            kept = loss_mask(mb["loss_mask"], mb["old_logprobs"], mb["rollout_logprobs"], **_rs_kwargs(cfg.algo))
-            denominator = loss_denominator(kept, cfg.algo.loss_agg_mode, reduce=reduce)
+            denominator = _denominator(run, mb, reduce)
             actor_mb, mbs, _ = _actor_batch(run, mb)
             result = run.actor.train_step(actor_mb, _loss_fn(run, denominator, _bounds(run), calibrating),
                                           micro_batch_size=mbs,

@@ -34,7 +34,8 @@ def _run(batch, micro_batches, groups, reduce=None):
 
     lp = batch["logprobs"].clone().requires_grad_()
     denom = loss_denominator([batch["mask"][s] for s in micro_batches], "seq-mean-token-mean", reduce)
-    ctrl = CalibratedClipController(3e-4, 4e-4, log_ratio_range=0.01, rules=Rules(low_min=0.99, high_max=1.01, alpha_tolerance=0.0, alpha_tolerance_tokens=0.0))
+    rules = Rules(low_min=0.99, high_max=1.01, alpha_tolerance=0.0, alpha_tolerance_tokens=0.0)
+    ctrl = CalibratedClipController(3e-4, 4e-4, log_ratio_range=0.01, rules=rules)
     hist = ctrl.new_histogram()
     losses, metrics = [], []
     for s in micro_batches:

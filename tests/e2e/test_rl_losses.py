@@ -9,10 +9,7 @@ LOSS_KEYS = ("reward/mean", "loss", "pg_loss", "grad_norm", "entropy", "ppo_kl")
 
 
 def test_gspo_with_sequence_calibration_trains_five_steps(tmp_path):
-    records = run_tiny(tmp_path, "fp8_calibrated.yaml", "train.num_steps=5", "algo.loss_mode=gspo",
-                       "algo.eps_clip=3e-4", "algo.eps_clip_high=4e-4", "algo.loss_agg_mode=seq-mean-token-mean",
-                       "algo.tis_level=sequence", "calib.level=sequence", "calib.log_ratio_range=0.02",
-                       "calib.low_min=0.99", "calib.high_max=1.01", "calib.alpha_tolerance_tokens=0")
+    records = run_tiny(tmp_path, "gspo_fp8_calibrated.yaml", "train.num_steps=5", "calib.alpha_tolerance_tokens=0")
     trained = [r for r in records if not r["step/skipped"]]
     assert len(trained) >= 4
     _finite(trained, LOSS_KEYS + ("seq_log_ratio/mean", "calib/low", "calib/high", "tis_clipfrac"))
@@ -32,8 +29,9 @@ def test_cispo_with_tis_trains_five_steps(tmp_path):
 
 
 def test_reinforce_baseline_with_rejection_trains_five_steps(tmp_path):
-    records = run_tiny(tmp_path, "fp8.yaml", "train.num_steps=5", "algo.advantage_estimator=reinforce_plus_plus_baseline",
-                       "algo.rollout_rs=token_k1", "algo.rollout_rs_threshold=1.5")
+    records = run_tiny(tmp_path, "fp8.yaml", "train.num_steps=5",
+                       "algo.advantage_estimator=reinforce_plus_plus_baseline", "algo.rollout_rs=token_k1",
+                       "algo.rollout_rs_threshold=1.5")
     trained = [r for r in records if not r["step/skipped"]]
     assert len(trained) >= 4
     _finite(trained, LOSS_KEYS + ("rollout_rs_masked_fraction", "tis_clipfrac"))

@@ -1,0 +1,62 @@
+"""The loop phases' side of the loss modes: the knobs reach the loss, the denominator counts the
+tokens the rejection mask keeps, and sequence-level calibration feeds one entry per sequence."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_rl.algo.metrics import reduce_metrics
+from megatron_rl.config import load_config
+from megatron_rl.loop import phases
+from megatron_rl.loop.build import build_controller
+
+GSPO = ["precision.train_recipe=tensorwise", "calib.enabled=true", "algo.loss_mode=gspo", "algo.eps_clip=3e-4",
+        "algo.eps_clip_high=4e-4", "calib.level=sequence", "calib.log_ratio_range=0.01", "calib.low_min=0.99",
+        "calib.high_max=1.01"]
+
+
+def _run(*overrides):
+    cfg = load_config(None, list(overrides))
+    return SimpleNamespace(cfg=cfg, controller=build_controller(cfg))
+
+
+def _micro_batch():
+    """Two sequences of 3 tokens at theta_old; the rollout disagrees on token (1, 2) by e^1."""
+    old = torch.full((2, 3), -1.0)
+    rollout = old.clone()
+    rollout[1, 2] = 0.0  # k1 = +1 > log 2: rejected by token_k1 at threshold 2
+    return old.clone(), {"old_logprobs": old, "advantages": torch.tensor([[1.0] * 3, [-1.0] * 3]),
+                         "tokens": torch.zeros(2, 3, dtype=torch.long), "loss_mask": torch.ones(2, 3),
+                         "rollout_logprobs": rollout, "ratio_ref": torch.ones(2, 3)}
+
+
+def test_denominator_counts_the_kept_tokens():
+    _, mb = _micro_batch()
+    assert phases._denominator(_run(), mb, None) == 6.0
+    assert phases._denominator(_run("algo.rollout_rs=token_k1"), mb, None) == 5.0
+    assert phases._denominator(_run("algo.rollout_rs=token_k1", "algo.loss_agg_mode=seq-mean-token-mean"), mb,
+                               None) == 2.0
+
+
+def test_loss_mode_and_rejection_reach_the_loss():
+    logprobs, mb = _micro_batch()
+    run = _run("algo.loss_mode=cispo", "algo.rollout_rs=token_k1", "algo.use_tis=false")
+    loss, metrics = phases._loss_fn(run, 5.0, (0.8, 1.2))(logprobs, None, mb)
+    # CISPO at r = 1: -A log pi = -A * (-1) on the 5 kept tokens, sum (3 - 2) / 5
+    assert loss.item() == pytest.approx((3 * 1.0 - 2 * 1.0) / 5)
+    m = reduce_metrics([metrics])
+    assert m["rollout_rs_masked_fraction"] == 1 / 6 and "cispo_clipfrac" in m
+
+
+def test_sequence_calibration_histogram_has_one_entry_per_sequence():
+    logprobs, mb = _micro_batch()
+    run = _run(*GSPO)
+    _, metrics = phases._loss_fn(run, 2.0, run.controller.bounds, calibrating=True)(logprobs, None, mb)
+    hist = run.controller.new_histogram()
+    hist.merge(metrics.pop(phases.HIST_KEY))
+    # entries are sequences, weighted by the sum of their tokens' loss weights (token-mean, TIS on)
+    assert hist.scalar("tokens") == 2.0 and hist.scalar("neg_tokens") == 1.0 and hist.scalar("pos") == 3.0
+    assert hist.scalar("neg") == pytest.approx(2.0 + math.exp(-1.0))
+    assert "seq_log_ratio/mean" in reduce_metrics([metrics])
