@@ -241,3 +241,50 @@ def _dump(run, rows: list[dict], path: Path) -> None:
     with path.open("w") as f:
         for r in ordered:
             f.write(json.dumps(r) + "\n")
+
+
+def checkpoint_folder(path: str | Path) -> tuple[Path, int]:
+    """(step folder, step) of `path`: a step folder (with model/), a checkpoints folder (its
+    `latest`), or a marker file in one (`latest`, `best`)."""
+    path = Path(path)
+    if path.is_file() and path.name in ("latest", "best"):
+        path = path.parent / f"step_{int(path.read_text().strip()):06d}"
+    elif path.is_dir() and not (path / "model").is_dir() and (path / "latest").is_file():
+        path = path / f"step_{int((path / 'latest').read_text().strip()):06d}"
+    if not (path / "model").is_dir():
+        raise ValueError(f"--checkpoint {path}: not a checkpoint (no model/ folder; expected a step folder, "
+                         "a checkpoints folder with `latest`, or its `latest` / `best` file)")
+    name = path.name.removeprefix("step_")
+    return path, int(name) if name.isdigit() else 0
+
+
+def evaluate_checkpoint(cfg, checkpoint: str = "", output: str = "") -> dict:
+    """`megatron-rl eval`: score a checkpoint (or model.hf_dir / the tiny model alone) on
+    cfg.eval.datasets; writes <output>/eval_results.json (and the sample dumps) and returns it.
+
+    output defaults to `<log.dir>_eval`, never log.dir itself: the run's metrics stay untouched."""
+    if not cfg.eval.datasets:
+        raise ValueError("config key 'eval.datasets': `megatron-rl eval` needs at least one dataset")
+    folder, step = checkpoint_folder(checkpoint) if checkpoint else (None, 0)
+    out_dir = Path(output or f"{cfg.log.dir.rstrip('/')}_eval")
+    cfg = replace(cfg, log=replace(cfg.log, dir=str(out_dir), tensorboard=False, progress=False, plot=False),
+                  checkpoint=replace(cfg.checkpoint, resume=False, keep_best=""))
+    run = build.build_run(cfg)
+    evaluator = None
+    try:
+        if folder is not None:
+            run.actor.load_checkpoint(folder / "model", model_only=True)
+        run.sync.sync()
+        evaluator = Evaluator.build(run)
+        evaluator.evaluate(step, dump_dir=out_dir / "eval_samples")
+        results = {"checkpoint": str(folder) if folder else (cfg.model.hf_dir or "tiny built-in model"),
+                   "step": step, "precision": cfg.eval.precision, "rollout_quant": cfg.precision.rollout_quant,
+                   "datasets": evaluator.results}
+        if run.is_log_rank:
+            (out_dir / "eval_results.json").write_text(json.dumps(results, indent=1))
+            log.info("eval results written to %s", out_dir / "eval_results.json")
+    finally:
+        if evaluator is not None:
+            evaluator.close()
+        run.finish()
+    return results
