@@ -123,7 +123,8 @@ def test_fp8_and_bf16_evaluations_differ_only_where_w8a8_changes_tokens(tmp_path
 def test_eval_metrics_and_best_checkpoint_continue_across_a_resume(tmp_path):
     ev = ["eval.datasets=" + json.dumps([{"name": "h", "task": "sort", "n_samples": 2, "temperature": 1.0,
                                           "max_examples": 16, "metrics": ["avg@2", "pass@2"]}]),
-          "eval.every=2", "eval.at_end=true", "checkpoint.save_every=2", "checkpoint.keep_best=h/avg@2"]
+          "eval.every=2", "eval.at_end=true", "checkpoint.save_every=2", "checkpoint.keep_best=h/avg@2",
+          "eval.precision=both"]
     full = run_tiny(tmp_path / "a", "bf16.yaml", "train.num_steps=4", *ev)
     run_tiny(tmp_path / "b", "bf16.yaml", "train.num_steps=2", *ev)  # stopped after step 2's checkpoint
     resumed = run_tiny(tmp_path / "b", "bf16.yaml", "train.num_steps=4", "checkpoint.resume=true", *ev)
@@ -132,6 +133,9 @@ def test_eval_metrics_and_best_checkpoint_continue_across_a_resume(tmp_path):
     assert [k for k in full[1] if k.startswith("eval/")] == []  # every=2: nothing at step 1
     for step in (2, 3):
         assert {k: resumed[step][k] for k in keys} == {k: full[step][k] for k in keys}, step
+        # bf16 rollouts: the BF16 twin, synced before each evaluation, samples the very same tokens
+        diffs = [full[step][k] for k in keys if "/rollout_minus_bf16/" in k]
+        assert diffs and all(d == 0.0 for d in diffs), step
     scores = {2: full[2]["eval/h/avg@2"], 4: full[3]["eval/h/avg@2"]}  # the weights of checkpoints 2 and 4
     winner = max(scores, key=lambda s: (scores[s], -s))  # a tie keeps the earlier
     for run in ("a", "b"):
