@@ -68,6 +68,7 @@ def run(cfg: RunConfig) -> dict[str, float]:
     metrics: dict[str, float] = {}
     evaluator = best = None
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
+        evaluator, best = evaluate.Evaluator.build(run_), _best_checkpoint(run_)  # bad eval data: before any work
         start = run_.resume_step()
         if start == 0:  # a resumed run's checkpoint holds the planted weights already
             run_.plant_outliers()
@@ -75,7 +76,6 @@ def run(cfg: RunConfig) -> dict[str, float]:
         memory.before_sync()
         run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
         memory.after_sync()
-        evaluator, best = evaluate.Evaluator.build(run_), _best_checkpoint(run_)
         for step in range(start, cfg.train.num_steps):
             # The engine holds the weights after `step` updates here (colocated: it is resident).
             scores = _evaluate(run_, evaluator, best, step, step, memory) if evaluator and evaluator.due(step) else {}

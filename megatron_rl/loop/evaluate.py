@@ -53,6 +53,30 @@ def held_out_records(cfg, task: str, count: int) -> list[dict[str, str]]:
     return unique[:count]
 
 
+def _check_eval_file(path: Path, prompt_key: str, answer_key: str, key: str) -> None:
+    """The file exists and its (first) row has the training data's prompt and answer keys. Checked
+    when a run or `megatron-rl eval` starts, not at config load: `plan` and `launch --dry-run` read
+    recipes on machines without the data (as data.path)."""
+    if not path.is_file():
+        raise ValueError(f"config key '{key}': no such file {path}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        columns = set(pq.ParquetFile(path).schema_arrow.names)
+    else:
+        with path.open(encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "{}")
+        try:
+            row = json.loads(first)
+        except json.JSONDecodeError:  # reported as a bad row by the dataset reader
+            row = {}
+        columns = set(row) if isinstance(row, dict) else set()
+    for column, source in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+        if column not in columns:
+            raise ValueError(f"config key '{key}': {path} has no {source} column {column!r} "
+                             f"(its {'columns' if path.suffix == '.parquet' else 'first row has keys'}: {sorted(columns)})")
+
+
 def build_eval_sets(cfg, tokenizer) -> list[EvalSet]:
     """Every eval.datasets entry as an EvalSet; ValueError naming the key on a bad task or reward."""
     from megatron_rl.data.tasks import get_task
@@ -67,6 +91,8 @@ def build_eval_sets(cfg, tokenizer) -> list[EvalSet]:
             get_reward_fn(reward)
         except ValueError as err:
             raise ValueError(f"config key '{key}.{'reward' if d.reward else 'task'}': {err}") from None
+        if d.path:
+            _check_eval_file(Path(d.path), cfg.data.prompt_key, cfg.data.answer_key, f"{key}.path")
         if spec is not None:
             items = build.read_prompts(cfg, tokenizer, records=held_out_records(cfg, d.task, d.max_examples or DEFAULT_TASK_EXAMPLES))
         else:

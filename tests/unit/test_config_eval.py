@@ -25,15 +25,30 @@ def _refused(match: str, *overrides: str) -> None:
         load_config(None, list(overrides))
 
 
+def _refused_at_start(match: str, *overrides: str) -> None:
+    """Eval files are read when the run starts (before the first step), not at config load."""
+    from megatron_rl.data.char_tokenizer import build_char_tokenizer
+    from megatron_rl.loop.evaluate import build_eval_sets
+
+    cfg = load_config(None, list(overrides))
+    with pytest.raises(ValueError, match=match):
+        build_eval_sets(cfg, build_char_tokenizer())
+
+
 def test_missing_eval_file():
-    _refused(r"'eval.datasets\[0\].path': no such file", _ds(path="no/such/file.jsonl"))
+    _refused_at_start(r"'eval.datasets\[0\].path': no such file", _ds(path="no/such/file.jsonl"))
+    _refused(r"'eval.datasets\[0\].path'.*neither .jsonl nor .parquet", _ds(path="file.csv"))
 
 
 def test_eval_file_without_the_answer_column(tmp_path):
+    from megatron_rl.data.char_tokenizer import build_char_tokenizer
+    from megatron_rl.loop.evaluate import build_eval_sets
+
     path = tmp_path / "e.jsonl"
     path.write_text(json.dumps({"prompt": "sort:31=", "solution": "13"}) + "\n")
-    _refused(r"'eval.datasets\[0\].path'.*no data.answer_key column 'answer'", _ds(path=str(path)))
-    load_config(None, [_ds(path=str(path)), "data.answer_key=solution"])  # the training data's key decides
+    _refused_at_start(r"'eval.datasets\[0\].path'.*no data.answer_key column 'answer'", _ds(path=str(path)))
+    cfg = load_config(None, [_ds(path=str(path)), "data.answer_key=solution"])  # the training data's key decides
+    assert [p.answer for p in build_eval_sets(cfg, build_char_tokenizer())[0].prompts] == ["13"]
 
 
 def test_parquet_eval_file_without_the_answer_column(tmp_path):
@@ -42,7 +57,7 @@ def test_parquet_eval_file_without_the_answer_column(tmp_path):
 
     path = tmp_path / "e.parquet"
     pq.write_table(pa.table({"prompt": ["sort:31="]}), path)
-    _refused(r"'eval.datasets\[0\].path'.*no data.answer_key column 'answer'", _ds(path=str(path)))
+    _refused_at_start(r"'eval.datasets\[0\].path'.*no data.answer_key column 'answer'", _ds(path=str(path)))
 
 
 def test_k_above_n_samples_and_unknown_metric():
