@@ -143,3 +143,21 @@ def test_eval_metrics_and_best_checkpoint_continue_across_a_resume(tmp_path):
         assert (root / "best").read_text() == str(winner)
         assert json.loads((root / "best.json").read_text()) == {"step": winner, "metric": "h/avg@2",
                                                                 "value": scores[winner]}
+
+
+@pytest.mark.timeout(300)
+def test_planted_accuracy_through_the_sglang_doubles_behind_the_router(tmp_path, monkeypatch):
+    """The same evaluation with rollout.engine=sglang: batched /generate requests to two server
+    doubles (real tiny-model forwards on the weights synced into them) through the router double."""
+    from sglang_testing import API_KEY
+    from test_rl_sglang import sglang_overrides
+
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
+    overrides = [*_eval_overrides(tmp_path), *sglang_overrides("colocated")]
+    m = _evaluate("bf16.yaml", overrides, tmp_path / "out")["datasets"]["heldout"]
+    (model_dir,) = [p for p in (tmp_path / ".tiny_models").iterdir() if p.is_dir()]
+    problems = read_jsonl(tmp_path / "heldout.jsonl")
+    responses = _reference_greedy(model_dir, problems, max_new_tokens=8)
+    assert [d["responses"][0] for d in _dump(tmp_path / "out")] == responses
+    accuracy = sum(r.strip() == p["answer"] for r, p in zip(responses, problems)) / len(problems)
+    assert m["metrics"]["avg@1"] == pytest.approx(accuracy, abs=1e-12)
