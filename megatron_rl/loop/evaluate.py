@@ -73,8 +73,9 @@ def _check_eval_file(path: Path, prompt_key: str, answer_key: str, key: str) -> 
         columns = set(row) if isinstance(row, dict) else set()
     for column, source in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
         if column not in columns:
+            where = "columns" if path.suffix == ".parquet" else "first row has keys"
             raise ValueError(f"config key '{key}': {path} has no {source} column {column!r} "
-                             f"(its {'columns' if path.suffix == '.parquet' else 'first row has keys'}: {sorted(columns)})")
+                             f"(its {where}: {sorted(columns)})")
 
 
 def build_eval_sets(cfg, tokenizer) -> list[EvalSet]:
@@ -94,7 +95,8 @@ def build_eval_sets(cfg, tokenizer) -> list[EvalSet]:
         if d.path:
             _check_eval_file(Path(d.path), cfg.data.prompt_key, cfg.data.answer_key, f"{key}.path")
         if spec is not None:
-            items = build.read_prompts(cfg, tokenizer, records=held_out_records(cfg, d.task, d.max_examples or DEFAULT_TASK_EXAMPLES))
+            records = held_out_records(cfg, d.task, d.max_examples or DEFAULT_TASK_EXAMPLES)
+            items = build.read_prompts(cfg, tokenizer, records=records)
         else:
             items = build.read_prompts(cfg, tokenizer, d.path)
         prompts = list(items)[: d.max_examples or None]
@@ -173,12 +175,8 @@ class Evaluator:
         texts = self.run.tokenizer.batch_decode([x.response_ids for x in samples], skip_special_tokens=True)
         rewards, stats = self._runner(s.reward).score(texts, [shard[i // n].answer for i in range(len(texts))])
         preds = stats.get("preds") or [s.extractor(t) if s.extractor else None for t in texts]
-        return [{"index": p.index, "prompt": p.prompt_text, "answer": p.answer,
-                 "responses": texts[i * n:(i + 1) * n], "rewards": rewards[i * n:(i + 1) * n],
-                 "preds": preds[i * n:(i + 1) * n], "lengths": [len(x.response_ids) for x in samples[i * n:(i + 1) * n]],
-                 "truncated": [x.finish_reason == "length" for x in samples[i * n:(i + 1) * n]],
-                 "garbled": None if s.valid_format is None else [not s.valid_format(t) for t in texts[i * n:(i + 1) * n]]}
-                for i, p in enumerate(shard)]
+        return [_problem_row(p, samples[i * n:(i + 1) * n], texts[i * n:(i + 1) * n], rewards[i * n:(i + 1) * n],
+                             preds[i * n:(i + 1) * n], s.valid_format) for i, p in enumerate(shard)]
 
     def _runner(self, name: str):
         from megatron_rl.rewards import RewardRunner, get_reward_fn
@@ -205,6 +203,14 @@ class Evaluator:
             runner.close()
         if self._bf16 is not None and self._bf16[0] is not None:
             self._bf16[0].shutdown()
+
+
+def _problem_row(prompt, samples, texts, rewards, preds, valid_format) -> dict:
+    """One problem's n responses with what the metrics and the sample dump need."""
+    return {"index": prompt.index, "prompt": prompt.prompt_text, "answer": prompt.answer, "responses": texts,
+            "rewards": rewards, "preds": preds, "lengths": [len(x.response_ids) for x in samples],
+            "truncated": [x.finish_reason == "length" for x in samples],
+            "garbled": None if valid_format is None else [not valid_format(t) for t in texts]}
 
 
 def _bf16_twin(run):

@@ -41,7 +41,8 @@ def test_only_rank_zero_writes(tmp_path):
 
 
 def test_built_in_held_out_prompts_are_disjoint_from_training_and_warm_start():
-    cfg = load_config(None, ["data.task=sort", "data.num_examples=512", "train.sft_steps=10", "train.sft_batch_size=32"])
+    cfg = load_config(None, ["data.task=sort", "data.num_examples=512", "train.sft_steps=10",
+                             "train.sft_batch_size=32"])
     heldout = [r["prompt"] for r in held_out_records(cfg, "sort", 200)]
     train = {r["prompt"] for r in make_task_dataset("sort", 512, seed=cfg.train.seed)}
     sft = {r["prompt"] for r in make_task_dataset("sort", 320, seed=cfg.train.seed + 1)}
