@@ -594,7 +594,7 @@ def _validate_keep_best(cfg: RunConfig) -> None:
     name, _, metric = target.partition("/")
     metric = metric.removeprefix("bf16/")
     datasets = {d.name: d for d in cfg.eval.datasets}
-    if name not in datasets or metric not in eval_metric_names(datasets[name]) + ["response_length/mean"]:
+    if name not in datasets or metric not in eval_metric_names(datasets[name]):
         known = [f"{d.name}/{m}" for d in cfg.eval.datasets for m in eval_metric_names(d)]
         raise ValueError(f"config key 'checkpoint.keep_best': {target!r} is not an eval metric of this "
                          f"run (eval.datasets give: {known})")

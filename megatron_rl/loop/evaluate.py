@@ -21,7 +21,7 @@ log = logging.getLogger("megatron_rl.loop.evaluate")
 
 DEFAULT_TASK_EXAMPLES = 256  # problems drawn for a built-in task when max_examples is 0
 HELDOUT_SEED_OFFSET = 7_919  # built-in eval sets draw with train.seed + this (training: seed, SFT: seed + 1)
-EVAL_SALT = 11  # per-step seed salt of evaluation draws (phases uses 0..7)
+EVAL_SALT = 11  # + dataset index: salt of the per-step evaluation seed (rollouts salt with their DP rank)
 
 
 @dataclass
