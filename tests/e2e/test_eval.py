@@ -39,12 +39,12 @@ def _eval_overrides(tmp_path: Path, **dataset) -> list[str]:
     return [*TINY, f"log.dir={tmp_path / 'run'}", "eval.dump_samples=true", "eval.datasets=" + json.dumps([spec])]
 
 
-def _evaluate(config: str, overrides: list[str], output: Path) -> dict:
+def _evaluate(config: str, overrides: list[str], output: Path, checkpoint: str = "") -> dict:
     from megatron_rl.actor.parallel import destroy_parallel
     from megatron_rl.loop.evaluate import evaluate_checkpoint
 
     try:
-        return evaluate_checkpoint(load_config(EXAMPLES / config, overrides), output=str(output))
+        return evaluate_checkpoint(load_config(EXAMPLES / config, overrides), checkpoint, output=str(output))
     finally:
         destroy_parallel()
 
@@ -143,6 +143,14 @@ def test_eval_metrics_and_best_checkpoint_continue_across_a_resume(tmp_path):
         assert (root / "best").read_text() == str(winner)
         assert json.loads((root / "best.json").read_text()) == {"step": winner, "metric": "h/avg@2",
                                                                 "value": scores[winner]}
+    # `megatron-rl eval --checkpoint .../best`: the checkpoint's weights, the training-time numbers
+    root = tmp_path / "a" / "run" / "checkpoints"
+    out = _evaluate("bf16.yaml", [*TINY, f"log.dir={tmp_path / 'a' / 'run'}", *ev], tmp_path / "a" / "standalone",
+                    checkpoint=str(root / "best"))
+    assert out["step"] == winner and out["datasets"]["h"]["metrics"]["avg@2"] == scores[winner]
+    logged = full[2] if winner == 2 else full[3]
+    assert {k: out["datasets"]["h"]["bf16/metrics"][k] for k in ("avg@2", "pass@2")} == \
+        {k: logged[f"eval/h/bf16/{k}"] for k in ("avg@2", "pass@2")}
 
 
 @pytest.mark.timeout(300)
