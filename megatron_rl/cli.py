@@ -12,6 +12,7 @@ EPILOG = """examples:
   megatron-rl train examples/tiny/fp8_calibrated.yaml
   megatron-rl train examples/tiny/bf16.yaml train.num_steps=10 log.dir=runs/bf16
   megatron-rl train examples/tiny/fp8_calibrated.yaml --resume
+  megatron-rl eval examples/tiny/fp8_calibrated.yaml --checkpoint runs/tiny_fp8_calibrated/checkpoints
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
   megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpu-mem-gb 80
   megatron-rl launch --dry-run examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpus-per-node 8
@@ -30,9 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.num_steps=10")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
     _add_plan_parser(sub)
+    _add_eval_parser(sub)
     sub.add_parser("launch", add_help=False,
                    help="placement plan of a Slurm job (--dry-run) or this host's part of it (slurm/)")
     return parser
+
+
+def _add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="score a checkpoint on the config's eval.datasets (eval_results.json)")
+    ev.add_argument("config", help="YAML config file with an eval section (docs/eval.md)")
+    ev.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. eval.precision=both")
+    ev.add_argument("--checkpoint", default="",
+                    help="a step folder, a checkpoints folder (its latest) or its latest / best file; "
+                         "default: model.hf_dir (or the tiny model) as built")
+    ev.add_argument("--output", default="", help="folder of eval_results.json (default <log.dir>_eval)")
 
 
 def _add_plan_parser(sub) -> None:
@@ -61,11 +73,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from megatron_rl.cluster.plan import main as plan_main
             return plan_main(args)
-        overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+        overrides = list(args.overrides) + (["checkpoint.resume=true"] if getattr(args, "resume", False) else [])
         cfg = load_config(args.config, overrides)
     except ValueError as err:
         print(f"megatron-rl: error: {err}", file=sys.stderr)
         return 2
+    if args.command == "eval":
+        from megatron_rl.loop.evaluate import evaluate_checkpoint
+        try:
+            evaluate_checkpoint(cfg, args.checkpoint, args.output)
+        except ValueError as err:
+            print(f"megatron-rl: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     from megatron_rl.train import run  # heavy imports (torch, megatron) only after the config is valid
     run(cfg)
     return 0

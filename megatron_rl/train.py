@@ -12,11 +12,13 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_rl import collectives
-from megatron_rl.loop import build, phases
+from megatron_rl.loop import build, evaluate, phases
+from megatron_rl.loop.best import BestCheckpoint
 from megatron_rl.loop.colocated import ColocatedMemory
 from megatron_rl.config import RunConfig, load_config
 from megatron_rl.telemetry.health import SurgeDetector
@@ -64,7 +66,9 @@ def run(cfg: RunConfig) -> dict[str, float]:
                              barrier_after_sync=run_.sync.wait_for_owners)
     _ON_SIGTERM.extend([run_.rewards.close] + ([run_.engine.shutdown] if run_.engine is not None else []))
     metrics: dict[str, float] = {}
+    evaluator = best = None
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
+        evaluator, best = evaluate.Evaluator.build(run_), _best_checkpoint(run_)  # bad eval data: before any work
         start = run_.resume_step()
         if start == 0:  # a resumed run's checkpoint holds the planted weights already
             run_.plant_outliers()
@@ -73,15 +77,38 @@ def run(cfg: RunConfig) -> dict[str, float]:
         run_.sync.sync()  # the engine starts from the trainer's weights, in the contract's format
         memory.after_sync()
         for step in range(start, cfg.train.num_steps):
-            metrics = _step(run_, step, memory)
+            # The engine holds the weights after `step` updates here (colocated: it is resident).
+            scores = _evaluate(run_, evaluator, best, step, step, memory) if evaluator and evaluator.due(step) else {}
+            metrics = {**_step(run_, step, memory), **scores}
+            if evaluator and cfg.eval.at_end and step == cfg.train.num_steps - 1:
+                metrics.update(_evaluate(run_, evaluator, best, step, step + 1, memory))
             _add_health(detector, step, metrics, warn=run_.is_log_rank)
             run_.logger.log(step, metrics)
             if run_.save_due(step):
                 with memory.trainer_on_device():
                     run_.maybe_save(step)
+                if best is not None:
+                    best.saved(run_.checkpointer.latest_step())
     finally:
         run_.finish()
+        if evaluator is not None:
+            evaluator.close()
+    if best is not None:  # an async save is published by finish()
+        best.saved(run_.checkpointer.latest_step())
     return metrics
+
+
+def _best_checkpoint(run_: build.Run):
+    keep = run_.cfg.checkpoint.keep_best
+    return BestCheckpoint(run_.checkpointer.root, keep, enabled=run_.is_log_rank) if keep else None
+
+
+def _evaluate(run_: build.Run, evaluator, best, step: int, weights_step: int, memory) -> dict[str, float]:
+    """Eval metrics of the engine's weights (those after `weights_step` updates); they join `step`'s."""
+    scores = evaluator.evaluate(weights_step, memory, dump_dir=Path(run_.cfg.log.dir) / "eval_samples")
+    if best is not None:
+        best.scored(weights_step, scores, run_.checkpointer.latest_step())
+    return scores
 
 
 def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:

@@ -108,32 +108,45 @@ def build_model_dir(cfg: RunConfig, parallel) -> Path:
     return prepare_tiny_model(cfg, cache)
 
 
-def build_data(cfg: RunConfig, tokenizer, parallel):
+def read_prompts(cfg: RunConfig, tokenizer, path: str = "", records: list | None = None):
+    """A PromptDataset from a .jsonl / .parquet file or in-memory records, with the training data's
+    keys, prompt formatting and length limit (training and evaluation share this path)."""
     from megatron_rl.data.datasets import PromptDataset
-    from megatron_rl.data.loader import PromptLoader
-    from megatron_rl.data.tasks import make_task_dataset
 
     kw = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
               max_prompt_len=cfg.data.max_prompt_len)
+    if records is not None:
+        return PromptDataset.from_records(records, tokenizer, **kw)
+    reader = PromptDataset.from_parquet if Path(path).suffix == ".parquet" else PromptDataset.from_jsonl
+    return reader(Path(path), tokenizer, **kw)
+
+
+def build_data(cfg: RunConfig, tokenizer, parallel):
+    from megatron_rl.data.loader import PromptLoader
+    from megatron_rl.data.tasks import make_task_dataset
+
     if cfg.data.path:
-        path = Path(cfg.data.path)
-        reader = PromptDataset.from_parquet if path.suffix == ".parquet" else PromptDataset.from_jsonl
-        dataset = reader(path, tokenizer, **kw)
+        dataset = read_prompts(cfg, tokenizer, cfg.data.path)
     else:
         records = make_task_dataset(cfg.data.task, cfg.data.num_examples, seed=cfg.train.seed)
-        dataset = PromptDataset.from_records(records, tokenizer, **kw)
+        dataset = read_prompts(cfg, tokenizer, records=records)
     if cfg.data.prompts_per_step % parallel.dp_size:
         raise ValueError(f"config key 'data.prompts_per_step': {cfg.data.prompts_per_step} is not "
                          f"divisible by the data-parallel size {parallel.dp_size}")
     return PromptLoader(dataset, batch_size=cfg.data.prompts_per_step, seed=cfg.train.seed)
 
 
-def build_rewards(cfg: RunConfig):
+def reward_name(cfg: RunConfig) -> str:
+    """The run's reward function: reward.name, else the built-in task's, else math_verify."""
     from megatron_rl.data.tasks import get_task
+
+    return cfg.reward.name or (get_task(cfg.data.task).reward_fn if not cfg.data.path else "math_verify")
+
+
+def build_rewards(cfg: RunConfig):
     from megatron_rl.rewards import RewardRunner, get_reward_fn
 
-    name = cfg.reward.name or (get_task(cfg.data.task).reward_fn if not cfg.data.path else "math_verify")
-    return RewardRunner(get_reward_fn(name), timeout_s=cfg.reward.timeout_s)
+    return RewardRunner(get_reward_fn(reward_name(cfg)), timeout_s=cfg.reward.timeout_s)
 
 
 def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = None, rank: int = 0):

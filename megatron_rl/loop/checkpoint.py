@@ -4,6 +4,7 @@ Layout::
 
     checkpoints/
       latest                    # text: the newest complete step, replaced atomically
+      best, best.json           # checkpoint.keep_best: the best-scoring checkpointed step, its score (loop/best.py)
       step_000010/
         model/                  # megatron.core.dist_checkpointing (torch_dist), any TP/PP/DP
         rl_state.pt             # step, data position, clip controller, sync version, RNG per rank
@@ -53,6 +54,13 @@ def _set_rng_state(state: dict) -> None:
 
 def _as_tuple(x):
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def write_marker(path: Path, text: str) -> None:
+    """Replace the file `path` atomically (a reader sees the old text or the new, never a part)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -121,9 +129,7 @@ class Checkpointer:
             self._copy_hf_files(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            marker_tmp = self.root / "latest.tmp"
-            marker_tmp.write_text(str(step))
-            os.replace(marker_tmp, self.root / "latest")
+            write_marker(self.root / "latest", str(step))
             log.info("checkpoint saved: %s", final)
         _barrier()
 

@@ -78,6 +78,40 @@ REWARD_FNS: dict[str, RewardFn] = {
 }
 
 
+def _stripped(response: str) -> str | None:
+    return response.strip() or None
+
+
+def _final_integer_text(response: str) -> str | None:
+    value = _final_integer(response)
+    return None if value is None else str(value)
+
+
+def _math_answer(response: str) -> str | None:
+    """math-verify's canonical form of the response's final answer (its string rendering, so that
+    "0.5" and "\\frac{1}{2}" vote together), or None when it finds none."""
+    from math_verify import parse
+
+    parsed = parse(response)
+    return str(parsed[0]) if parsed else None
+
+
+# What each built-in reward compares with the gold answer, for majority voting (maj@k): equal
+# extracted strings are the same answer. A user reward gives it as the `pred` of a dict result.
+ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "exact_match": _stripped,
+    "position_match": _stripped,
+    "final_answer": _final_integer_text,
+    "math_verify": _math_answer,
+}
+
+
+def get_answer_extractor(name: str) -> Callable[[str], str | None] | None:
+    """The answer extractor of the built-in reward `name` (response -> answer string or None), or
+    None when the reward has none (a user function: its dict results may carry `pred`)."""
+    return ANSWER_EXTRACTORS.get(name)
+
+
 def get_reward_fn(name: str) -> RewardFn:
     """Look up a reward function by name; ValueError lists the registered names."""
     if name not in REWARD_FNS:

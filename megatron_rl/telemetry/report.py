@@ -27,6 +27,8 @@ FIGURES = {
 TABLE = (
     ("reward first", "reward/mean", "first"),
     ("reward last", "reward/mean", "last"),
+    ("held-out first", "eval/heldout/avg@4", "first"),  # examples/reproduce: before step 0
+    ("held-out last", "eval/heldout/avg@4", "last"),  # after the last step (eval.at_end)
     ("entropy last", "entropy", "last"),
     ("entropy max", "entropy", "max"),
     ("resp len last", "response_length/mean", "last"),

@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "train.sft_steps=20",
          "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
-         "train.micro_batch_size=8", "calib.period=1", "reward.name=position_match"]
+         "train.micro_batch_size=8", "calib.period=1", "reward.name=position_match",
+         "eval.datasets=[{name: heldout, task: sort, n_samples: 4, max_examples: 8, metrics: [avg@4]}]"]
 
 
 def _cells(md: str, measurement: str) -> list[str]:
@@ -34,6 +35,10 @@ def test_harness_writes_a_report_with_finite_numbers(tmp_path):
     assert float(_cells(md, "calibrated L (applied)")[1]) > 0
     for png in ("learning.png", "clipping.png", "bounds.png"):
         assert (tmp_path / "report" / png).stat().st_size > 1000
+    head = next(line for line in md.splitlines() if line.startswith("| run |")).strip("|").split("|")
+    row = next(line for line in md.splitlines() if line.startswith("| bf16 ")).strip("|").split("|")
+    for title in ("held-out first", "held-out last"):  # held-out accuracy next to the training reward
+        assert 0.0 <= float(row[[h.strip() for h in head].index(title)]) <= 1.0, title
 
 
 def test_surge_harness_screens_then_reuses_the_screen_runs_in_the_arms(tmp_path):

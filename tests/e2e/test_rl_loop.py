@@ -24,6 +24,7 @@ TINY = [
     "train.num_mini_batches=2", "log.progress=false", "log.tensorboard=false", "log.plot=false",
     "calib.period=2", "sync.check=true", "checkpoint.save_final=false",
     "reward.name=position_match",  # partial credit: reward variance in every group from step 0
+    "eval.datasets=[]", "checkpoint.keep_best=",  # the demo's held-out evaluation: tests/e2e/test_eval.py
 ]
 
 
