@@ -204,13 +204,43 @@ class DataConfig:
     num_examples: int = 4096
     """Built-in tasks: how many prompts to generate."""
     prompts_per_step: int = 16
+    chat_template: bool | None = None
+    """true | false | null (auto). Render prompts with the tokenizer's chat template (a user message,
+    add_generation_prompt=True). null: when the tokenizer has one. false: plain text, as zero-RL on a
+    Base model usually wants (with prompt_template)."""
+    system_prompt: str = ""
+    """A system message put before each prompt (a chat list that has one keeps its own); without a
+    chat template it is prepended to the text, followed by a newline. Empty = none."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of apply_chat_template, e.g. {enable_thinking: false} for Qwen3."""
+    prompt_template: str = ""
+    """A format string for a string prompt, with the placeholder "{prompt}" (any other braces are
+    literal), applied before the chat template if one is used. Empty = the prompt as is."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch (seeded by train.seed and the epoch: resumable)."""
+    num_epochs: int = 0
+    """Passes over the dataset; the run then ends early (train.num_steps is capped at the number of
+    full batches, the last partial batch dropped). 0 = cycle for train.num_steps steps."""
 
 
 @dataclass
 class RewardConfig:
     name: str = ""
-    """Reward function by name; empty = the built-in task's own reward."""
+    """A built-in reward (exact_match | position_match | final_answer | math_verify) or a user
+    function by import path: `my_pkg.rewards:score` or `path/to/file.py:score` (docs/rewards.md).
+    Resolved and signature-checked at config load. Empty = the built-in task's own reward
+    (math_verify for a data.path dataset)."""
     timeout_s: float = 10.0
+    """Seconds per sample (per batch when batched, per attempt with url) before it scores 0."""
+    batched: bool = False
+    """The function takes lists (responses, answers, **extra lists) and returns a list."""
+    url: str = ""
+    """Remote reward: POST each step's batch as JSON to this http(s) endpoint (docs/rewards.md);
+    replaces `name`."""
+    max_retries: int = 3
+    """url only: retries after a connection error, a timeout, HTTP 429 or 5xx; then the batch scores 0."""
+    retry_backoff_s: float = 1.0
+    """url only: sleep before retry k (1-based) is retry_backoff_s * 2**(k-1) seconds."""
 
 
 @dataclass
@@ -340,6 +370,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
+    if tp is Any:
+        return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"config key '{key}': expected a mapping with string keys, got {value!r}")
+        return dict(value)
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"config key '{key}': expected a list, got {value!r}")
@@ -431,7 +467,39 @@ def validate(cfg: RunConfig) -> RunConfig:
                              "servers load a block-FP8 checkpoint (rollout.sglang.model_path or the automatic one)")
     validate_parallel(cfg)
     _validate_calib(cfg)
+    _validate_reward(cfg.reward)
+    _validate_data(cfg.data)
     return cfg
+
+
+def _validate_data(d: DataConfig) -> None:
+    if d.num_epochs < 0:
+        raise ValueError(f"config key 'data.num_epochs': must be >= 0, got {d.num_epochs}")
+    if d.prompt_template and "{prompt}" not in d.prompt_template:
+        raise ValueError(f"config key 'data.prompt_template': needs the placeholder {{prompt}}, got {d.prompt_template!r}")
+    if d.template_kwargs and d.chat_template is False:
+        raise ValueError("config key 'data.template_kwargs': set, but data.chat_template is false (no template to pass them to)")
+
+
+def _validate_reward(r: RewardConfig) -> None:
+    """A typo in reward.name fails here, on every rank, before the actor or any server is built."""
+    from megatron_rl.rewards import get_reward_fn
+
+    if r.max_retries < 0:
+        raise ValueError(f"config key 'reward.max_retries': must be >= 0, got {r.max_retries}")
+    if r.retry_backoff_s < 0:
+        raise ValueError(f"config key 'reward.retry_backoff_s': must be >= 0, got {r.retry_backoff_s}")
+    if r.url:
+        if not r.url.startswith(("http://", "https://")):
+            raise ValueError(f"config key 'reward.url': expected an http:// or https:// URL, got {r.url!r}")
+        if r.name:
+            raise ValueError("config key 'reward.url': set either reward.url or reward.name, not both")
+        return
+    if r.name:
+        try:
+            get_reward_fn(r.name, batched=r.batched)
+        except ValueError as err:
+            raise ValueError(f"config key 'reward.name': {err}") from None
 
 
 def _validate_token_budget(cfg: RunConfig) -> None:

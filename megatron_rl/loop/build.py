@@ -108,32 +108,57 @@ def build_model_dir(cfg: RunConfig, parallel) -> Path:
     return prepare_tiny_model(cfg, cache)
 
 
-def build_data(cfg: RunConfig, tokenizer, parallel):
-    from megatron_rl.data.datasets import PromptDataset
-    from megatron_rl.data.loader import PromptLoader
+def build_dataset(data_cfg, tokenizer, seed: int):
+    """The PromptDataset a `data` section describes (training and evaluation sets alike): the file
+    at data_cfg.path, or the built-in task; keys, answers and prompt formatting from the section."""
+    from megatron_rl.data.datasets import PromptDataset, PromptFormat
     from megatron_rl.data.tasks import make_task_dataset
 
-    kw = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-              max_prompt_len=cfg.data.max_prompt_len)
-    if cfg.data.path:
-        path = Path(cfg.data.path)
+    d = data_cfg
+    fmt = PromptFormat(apply_chat_template=d.chat_template, system_prompt=d.system_prompt,
+                       template_kwargs=dict(d.template_kwargs), prompt_template=d.prompt_template)
+    kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, max_prompt_len=d.max_prompt_len, fmt=fmt)
+    if d.path:
+        path = Path(d.path)
+        if not path.is_file():
+            raise ValueError(f"config key 'data.path': no such file {path}")
         reader = PromptDataset.from_parquet if path.suffix == ".parquet" else PromptDataset.from_jsonl
-        dataset = reader(path, tokenizer, **kw)
-    else:
-        records = make_task_dataset(cfg.data.task, cfg.data.num_examples, seed=cfg.train.seed)
-        dataset = PromptDataset.from_records(records, tokenizer, **kw)
+        return reader(str(path), tokenizer, **kw)
+    return PromptDataset.from_records(make_task_dataset(d.task, d.num_examples, seed=seed), tokenizer, **kw)
+
+
+def build_data(cfg: RunConfig, tokenizer, parallel):
+    """The training loader. data.num_epochs > 0 caps train.num_steps at the batches it holds."""
+    from megatron_rl.data.loader import PromptLoader
+
+    dataset = build_dataset(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.prompts_per_step % parallel.dp_size:
         raise ValueError(f"config key 'data.prompts_per_step': {cfg.data.prompts_per_step} is not "
                          f"divisible by the data-parallel size {parallel.dp_size}")
-    return PromptLoader(dataset, batch_size=cfg.data.prompts_per_step, seed=cfg.train.seed)
+    loader = PromptLoader(dataset, batch_size=cfg.data.prompts_per_step, seed=cfg.train.seed,
+                          shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
+    if loader.num_batches is not None and loader.num_batches < cfg.train.num_steps:
+        if loader.num_batches == 0:
+            raise ValueError(f"config key 'data.num_epochs': {cfg.data.num_epochs} epochs of {len(dataset)} "
+                             f"prompts hold no full batch of data.prompts_per_step={cfg.data.prompts_per_step}")
+        log.info("data.num_epochs=%d: %d steps (train.num_steps=%d capped)", cfg.data.num_epochs,
+                 loader.num_batches, cfg.train.num_steps)
+        cfg.train.num_steps = loader.num_batches
+    return loader
 
 
 def build_rewards(cfg: RunConfig):
+    """The reward runner: reward.url (HTTP, batched), a user or built-in reward.name, or the task's."""
     from megatron_rl.data.tasks import get_task
-    from megatron_rl.rewards import RewardRunner, get_reward_fn
+    from megatron_rl.rewards import HttpReward, RewardRunner, get_reward_fn
 
-    name = cfg.reward.name or (get_task(cfg.data.task).reward_fn if not cfg.data.path else "math_verify")
-    return RewardRunner(get_reward_fn(name), timeout_s=cfg.reward.timeout_s)
+    r = cfg.reward
+    if r.url:
+        remote = HttpReward(r.url, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.retry_backoff_s)
+        # The worker's wait covers every attempt: the endpoint's own timeouts end the call first.
+        return RewardRunner(remote, timeout_s=remote.max_budget_s() + 5.0, batched=True)
+    name = r.name or (get_task(cfg.data.task).reward_fn if not cfg.data.path else "math_verify")
+    return RewardRunner(get_reward_fn(name, batched=r.batched), timeout_s=r.timeout_s, batched=r.batched)
 
 
 def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = None, rank: int = 0):

@@ -45,13 +45,16 @@ def _generate_on_engine(run, prompts, step: int):
 
 def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
     """Rewards [N] (+ DAPO overlong shaping), reward-runner error counts, and garbled [N] float32
-    (1.0 where a response fails the built-in task's format check; None for a user dataset)."""
+    (1.0 where a response fails the built-in task's format check; None for a user dataset).
+    The reward's named components ride in the metrics as "reward/<name>" -> [N] float32 lists
+    (`generate` averages them over the global batch)."""
     from megatron_rl.algo.advantages import overlong_penalty
 
     n = run.cfg.rollout.n_samples_per_prompt
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     answers = [prompts[i // n].answer for i in range(len(samples))]
-    rewards, stats = run.rewards.score(texts, answers)
+    extras = [prompts[i // n].extra for i in range(len(samples))]
+    rewards, stats = run.rewards.score(texts, answers, extras=extras)
     rewards = torch.tensor(rewards, dtype=torch.float32)  # non-finite results: 0 and counted as errors
     a = run.cfg.algo
     if a.overlong_buffer_len > 0:
@@ -60,8 +63,28 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
                                              a.overlong_buffer_len, a.overlong_penalty_factor)
     valid = None if run.cfg.data.path else get_task(run.cfg.data.task).valid_format
     garbled = None if valid is None else torch.tensor([float(not valid(t)) for t in texts])
-    return rewards, {"reward/errors": float(stats["num_errors"]),
-                     "reward/timeouts": float(stats["num_timeouts"])}, garbled
+    metrics = {"reward/errors": float(stats["num_errors"]), "reward/timeouts": float(stats["num_timeouts"])}
+    metrics.update({f"reward/{k}": v for k, v in stats.get("components", {}).items()})
+    return rewards, metrics, garbled
+
+
+def _length_metrics(run, samples) -> tuple[dict[str, torch.Tensor], float]:
+    """Per-sample means (length, truncated fraction) and the global maximum response length."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    truncated = torch.tensor([float(s.finish_reason == "length") for s in samples])
+    longest = collectives.all_reduce(lengths.max().reshape(1).double(), run.parallel.dp_group, op="max")
+    return {"response_length/mean": lengths, "response_length/clip_ratio": truncated}, float(longest[0])
+
+
+def _component_means(run, metrics: dict) -> dict[str, torch.Tensor]:
+    """Pop the reward components (lists) out of `metrics`; every DP rank gets the same names (the
+    union, missing ones 0.0), so the one reduction that averages them has one shape everywhere."""
+    mine = {k: metrics.pop(k) for k in [k for k, v in metrics.items() if isinstance(v, list)]}
+    names = sorted(mine)
+    if run.parallel.dp_size > 1:
+        names = sorted({k for ks in collectives.all_gather_objects(names, run.parallel.dp_group) for k in ks})
+    size = len(next(iter(mine.values()))) if mine else 1
+    return {k: torch.tensor(mine.get(k, [0.0] * size), dtype=torch.float32) for k in names}
 
 
 def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
@@ -84,9 +107,9 @@ def generate(run, prompts, step: int) -> Rollout:
     rewards, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
     n = run.cfg.rollout.n_samples_per_prompt
     keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    means = {"reward/mean": rewards, "reward/sq": rewards**2, "response_length/mean": lengths,
-             "dynamic_sampling/kept_frac": keep.float()}
+    length_means, metrics["response_length/max"] = _length_metrics(run, samples)
+    means = {"reward/mean": rewards, "reward/sq": rewards**2, **length_means,
+             "dynamic_sampling/kept_frac": keep.float(), **_component_means(run, metrics)}
     if garbled is not None:  # every response of every DP rank, before dynamic sampling drops any
         means["health/garbled_rate"] = garbled
     metrics.update(_reduced_means(run, means))
