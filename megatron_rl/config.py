@@ -183,6 +183,18 @@ class RolloutConfig:
     max_new_tokens: int = 16
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers, router and weight transport (rollout.engine=sglang; GPU only)."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 = off (1 = greedy). SGLang's top_k."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top token's probability; 0 = off. SGLang's min_p."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a sample ends once its text contains one (finish_reason stop); the reward sees
+    the text cut before it, the trainer every generated token. SGLang's stop."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample, besides the tokenizer's eos (always a stop). SGLang's stop_token_ids."""
+    seed: int | None = None
+    """Base seed of rollout sampling (per step and rank seeds derive from it); null = train.seed.
+    SGLang applies per-request seeds only with rollout.sglang.deterministic_inference."""
 
 
 @dataclass
@@ -469,7 +481,24 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_calib(cfg)
     _validate_reward(cfg.reward)
     _validate_data(cfg.data)
+    _validate_sampling(cfg)
     return cfg
+
+
+def _validate_sampling(cfg: RunConfig) -> None:
+    r = cfg.rollout
+    if not (r.top_k == -1 or r.top_k >= 1):
+        raise ValueError(f"config key 'rollout.top_k': must be -1 (off) or >= 1, got {r.top_k}")
+    if not 0.0 <= r.min_p <= 1.0:
+        raise ValueError(f"config key 'rollout.min_p': must be in [0, 1], got {r.min_p}")
+    if any(not s for s in r.stop):
+        raise ValueError(f"config key 'rollout.stop': empty stop string in {r.stop}")
+    if any(t < 0 for t in r.stop_token_ids):
+        raise ValueError(f"config key 'rollout.stop_token_ids': negative id in {r.stop_token_ids}")
+    if r.engine == "sglang" and r.min_p > 0 and r.sglang.deterministic_inference:
+        # srt/layers/sampler.py asserts sampling_seed is None on the min-p path.
+        raise ValueError("config key 'rollout.min_p': SGLang's seeded (deterministic) sampler does not "
+                         "support min_p; set rollout.min_p=0 or rollout.sglang.deterministic_inference=false")
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -37,9 +37,11 @@ def _generate_on_engine(run, prompts, step: int):
     from megatron_rl.rollout.base import SamplingParams
 
     r = run.cfg.rollout
+    seed = run.cfg.train.seed if r.seed is None else r.seed
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_token_ids=[run.tokenizer.eos_token_id], n=r.n_samples_per_prompt,
-                              seed=_step_seed(run.cfg.train.seed, step, run.parallel.dp_rank))
+                              stop_token_ids=[run.tokenizer.eos_token_id, *r.stop_token_ids],
+                              n=r.n_samples_per_prompt, seed=_step_seed(seed, step, run.parallel.dp_rank),
+                              top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop))
     return run.engine.generate([p.prompt_ids for p in prompts], sampling)
 
 
@@ -49,9 +51,12 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
     The reward's named components ride in the metrics as "reward/<name>" -> [N] float32 lists
     (`generate` averages them over the global batch)."""
     from megatron_rl.algo.advantages import overlong_penalty
+    from megatron_rl.rollout.base import trim_at_stop
 
     n = run.cfg.rollout.n_samples_per_prompt
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    if run.cfg.rollout.stop:  # the engines keep a stop string's tokens; the reward sees the text before it
+        texts = [trim_at_stop(t, run.cfg.rollout.stop) for t in texts]
     answers = [prompts[i // n].answer for i in range(len(samples))]
     extras = [prompts[i // n].extra for i in range(len(samples))]
     rewards, stats = run.rewards.score(texts, answers, extras=extras)
