@@ -338,8 +338,10 @@ def build_run(cfg: RunConfig) -> Run:
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
+    w = cfg.log.wandb
     logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
-                           total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0)
+                           total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0,
+                           wandb={"project": w.project, "name": w.name, "mode": w.mode, "config": cfg.to_dict()})
     if parallel.rank == 0:
         save_config(cfg, Path(cfg.log.dir) / "config.yaml")
     return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),

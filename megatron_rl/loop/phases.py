@@ -113,14 +113,17 @@ def generate(run, prompts, step: int) -> Rollout:
     n = run.cfg.rollout.n_samples_per_prompt
     keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
     length_means, metrics["response_length/max"] = _length_metrics(run, samples)
+    components = _component_means(run, metrics)
     means = {"reward/mean": rewards, "reward/sq": rewards**2, **length_means,
-             "dynamic_sampling/kept_frac": keep.float(), **_component_means(run, metrics)}
+             "dynamic_sampling/kept_frac": keep.float(), **components}
     if garbled is not None:  # every response of every DP rank, before dynamic sampling drops any
         means["health/garbled_rate"] = garbled
     metrics.update(_reduced_means(run, means))
     metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
     metrics["time/rollout"] = t_rollout
     kept_total = _reduce_sum(run, float(keep.sum()))
+    if _dump_due(run, step):
+        _dump_samples(run, step, prompts, samples, rewards, components)
     if kept_total == 0:
         metrics["step/skipped"] = 1.0
         return Rollout(None, metrics)
@@ -128,6 +131,29 @@ def generate(run, prompts, step: int) -> Rollout:
     batch = collate(samples, advantages, run.tokenizer.pad_token_id)
     metrics["step/skipped"] = 0.0
     return Rollout(_drop_groups(batch, keep, run.parallel.dp_size), metrics)
+
+
+def _dump_due(run, step: int) -> bool:
+    every = run.cfg.log.dump_samples_every
+    return bool(every) and step % every == 0 and run.is_log_rank
+
+
+def _dump_samples(run, step: int, prompts, samples, rewards: torch.Tensor, components: dict) -> None:
+    """log.dump_samples_num samples of this rank (the log rank: its data-parallel shard) as the
+    reward saw them (text cut at a stop string), with the advantage the trainer gets."""
+    from megatron_rl.rollout.base import trim_at_stop
+    from megatron_rl.telemetry.samples import sample_records, write_samples
+
+    n, stop = run.cfg.rollout.n_samples_per_prompt, run.cfg.rollout.stop
+    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    records = sample_records(
+        prompts=[prompts[s.prompt_index].prompt_text for s in samples],
+        responses=[trim_at_stop(t, stop) for t in texts], rewards=rewards.tolist(),
+        advantages=_advantages(run, rewards).tolist(), lengths=[len(s.response_ids) for s in samples],
+        finish_reasons=[s.finish_reason for s in samples], answers=[prompts[i // n].answer for i in range(len(samples))],
+        components={k.removeprefix("reward/"): v.tolist() for k, v in components.items()},
+        limit=run.cfg.log.dump_samples_num)
+    write_samples(run.cfg.log.dir, step, records)
 
 
 def _drop_groups(batch: Batch, keep: torch.Tensor, dp_size: int) -> Batch:
