@@ -343,6 +343,13 @@ class CheckpointConfig:
     """Write the model/optimizer checkpoint in a background process (Megatron's async save); it
     is published (renamed, `latest` moved) once written everywhere, always before the next save
     and the end of the run."""
+    keep_last: int = 0
+    """Keep only the newest N complete checkpoints (older ones are deleted after each save; the
+    one `latest` names, the one a `best` file names and any being written are never deleted).
+    0 = keep all."""
+    save_hf_every: int = 0
+    """Steps between HF safetensors exports (log.dir/hf/step_XXXXXX: config, tokenizer, weights;
+    loadable by transformers and SGLang). 0 = off."""
 
 
 @dataclass
@@ -504,6 +511,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_data(cfg.data)
     _validate_sampling(cfg)
     _validate_log(cfg.log)
+    for key in ("keep_last", "save_hf_every"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ValueError(f"config key 'checkpoint.{key}': must be >= 0, got {getattr(cfg.checkpoint, key)}")
     return cfg
 
 

@@ -336,7 +336,7 @@ def build_run(cfg: RunConfig) -> Run:
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
-                                async_save=cfg.checkpoint.async_save)
+                                async_save=cfg.checkpoint.async_save, keep_last=cfg.checkpoint.keep_last)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
     w = cfg.log.wandb
     logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
