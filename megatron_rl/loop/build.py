@@ -69,6 +69,16 @@ class Run:
         if self.save_due(step):
             self.checkpointer.save(self, step + 1)
 
+    def hf_export_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.save_hf_every
+        return bool(every) and (step + 1) % every == 0
+
+    def export_hf(self, step: int) -> None:
+        """checkpoint.save_hf_every: the weights after `step` as log.dir/hf/step_<step + 1>."""
+        from megatron_rl.loop.hf_export import export_hf, hf_export_dir
+
+        export_hf(self.actor, self.parallel, self.checkpointer.hf_dir, hf_export_dir(self.cfg.log.dir, step + 1))
+
     def finish(self) -> None:
         self.checkpointer.wait()  # an async save in flight is published before the run ends
         self.logger.close()

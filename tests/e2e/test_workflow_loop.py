@@ -39,7 +39,8 @@ def root(tmp_path_factory) -> Path:
 def trace(root):
     (root / "my_reward.py").write_text(REWARD)
     return trace_run(root / "run", "fp8_calibrated.yaml", "train.num_steps=2", f"reward.name={root}/my_reward.py:score",
-                     "log.dump_samples_every=1", "log.dump_samples_num=1000", "data.num_epochs=0")
+                     "log.dump_samples_every=1", "log.dump_samples_num=1000", "checkpoint.save_hf_every=2",
+                     "checkpoint.save_every=1", "checkpoint.keep_last=1")
 
 
 def test_dumps_equal_the_steps_batch(trace):
@@ -83,3 +84,13 @@ def test_step_line_when_the_progress_bar_is_off(root, caplog):
     assert len(trace.steps) == 1 and trace.cfg.train.num_steps == 1  # 4 prompts, 4 per step: one epoch
     assert len(lines) == 1 and lines[0].startswith("step 1/1 reward ")
     assert f"reward {trace.steps[0].metrics['reward/mean']:.4g}" in lines[0]
+
+
+def test_hf_export_and_retention_in_the_loop(trace):
+    from transformers import AutoModelForCausalLM
+
+    log_dir = Path(trace.cfg.log.dir)
+    assert sorted(p.name for p in (log_dir / "hf").iterdir()) == ["step_000002"]  # every 2 steps, 2 steps run
+    model = AutoModelForCausalLM.from_pretrained(log_dir / "hf" / "step_000002")
+    assert model.config.num_hidden_layers == trace.cfg.model.tiny_num_layers
+    assert sorted(p.name for p in (log_dir / "checkpoints").glob("step_*")) == ["step_000002"]  # keep_last=1
