@@ -69,8 +69,16 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
     valid = None if run.cfg.data.path else get_task(run.cfg.data.task).valid_format
     garbled = None if valid is None else torch.tensor([float(not valid(t)) for t in texts])
     metrics = {"reward/errors": float(stats["num_errors"]), "reward/timeouts": float(stats["num_timeouts"])}
-    metrics.update({f"reward/{k}": v for k, v in stats.get("components", {}).items()})
+    metrics.update({_component_key(k): v for k, v in stats.get("components", {}).items()})
     return rewards, metrics, garbled
+
+
+# The loop's own reward/* metrics: a reward component of the same name is logged as reward/fn_<name>.
+RESERVED_REWARD_KEYS = ("mean", "std", "sq", "errors", "timeouts")
+
+
+def _component_key(name: str) -> str:
+    return f"reward/fn_{name}" if name in RESERVED_REWARD_KEYS else f"reward/{name}"
 
 
 def _length_metrics(run, samples) -> tuple[dict[str, torch.Tensor], float]:

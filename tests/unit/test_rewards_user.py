@@ -123,3 +123,10 @@ def test_config_resolves_and_checks_at_load(reward_file, reward_pkg):
             load_config(None, [override])
     with pytest.raises(ValueError, match="config key 'reward.name': .*batched needs an import path"):
         load_config(None, ["reward.name=exact_match", "reward.batched=true"])
+
+
+def test_component_names_never_overwrite_the_loops_metrics():
+    from megatron_rl.loop.phases import _component_key
+
+    assert [_component_key(n) for n in ("format", "mean", "errors", "std")] == [
+        "reward/format", "reward/fn_mean", "reward/fn_errors", "reward/fn_std"]
