@@ -5,7 +5,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= test
+EXTRAS ?= test,wandb
 DEMO_CONFIG ?= examples/tiny/fp8_calibrated.yaml
 
 .PHONY: setup demo surge test bench clean

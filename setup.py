@@ -28,6 +28,8 @@ EXTRAS = {
     # weight-update protocol changes between releases: 0.5.23 needs update sessions).
     "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23", "sglang-router", "nvidia-modelopt>=0.33"],
     "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1"],
+    # Optional W&B logging (log.wandb); tests/unit/test_telemetry_wandb.py skips without it unless CI=true.
+    "wandb": ["wandb>=0.19"],
 }
 
 setup(

@@ -1,4 +1,4 @@
-"""Command line: `megatron-rl train CONFIG.yaml [section.key=value ...]`."""
+"""Command line: `megatron-rl train CONFIG.yaml [section.key=value ...]`; options and overrides in any order."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from megatron_rl.config import load_config
 EPILOG = """examples:
   megatron-rl train examples/tiny/fp8_calibrated.yaml
   megatron-rl train examples/tiny/bf16.yaml train.num_steps=10 log.dir=runs/bf16
-  megatron-rl train examples/tiny/fp8_calibrated.yaml --resume
+  megatron-rl train examples/tiny/fp8_calibrated.yaml --resume train.num_steps=80
   megatron-rl eval examples/tiny/fp8_calibrated.yaml --checkpoint runs/tiny_fp8_calibrated/checkpoints
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
-  megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpu-mem-gb 80
+  megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 rollout.max_new_tokens=8192 --gpu-mem-gb 80
   megatron-rl launch --dry-run examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpus-per-node 8
 """
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_eval_parser(sub)
     sub.add_parser("launch", add_help=False,
-                   help="placement plan of a Slurm job (--dry-run) or this host's part of it (slurm/)")
+                   help="Slurm placement (--dry-run) or this host's part of it")
     return parser
 
 
@@ -48,7 +48,7 @@ def _add_eval_parser(sub) -> None:
 
 
 def _add_plan_parser(sub) -> None:
-    plan = sub.add_parser("plan", help="memory per GPU of trainer and rollout; exit 1 if it does not fit")
+    plan = sub.add_parser("plan", help="memory plan per GPU; exit 1 when it does not fit")
     plan.add_argument("config", help="YAML config file (see examples/)")
     plan.add_argument("overrides", nargs="*", help="section.key=value overrides")
     plan.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
@@ -61,12 +61,25 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
+def parse_args(argv: list[str]):
+    """Like build_parser().parse_args, but a subcommand's options and `key=value` overrides may
+    come in any order after CONFIG (argparse's intermixed parsing, which subparsers lack: the
+    subcommand's own parser reads everything after the subcommand's name)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not argv or argv[0] not in sub.choices or argv[0] == "launch":
+        return parser.parse_args(argv)  # --help, or argparse's error naming the choices
+    args = sub.choices[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # its own parser: megatron_rl.cluster.launch.build_parser
         from megatron_rl.cluster import launch
         return launch.main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -209,6 +210,18 @@ class RolloutConfig:
     max_new_tokens: int = 16
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers, router and weight transport (rollout.engine=sglang; GPU only)."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 = off (1 = greedy). SGLang's top_k."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top token's probability; 0 = off. SGLang's min_p."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a sample ends once its text contains one (finish_reason stop); the reward sees
+    the text cut before it, the trainer every generated token. SGLang's stop."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a sample, besides the tokenizer's eos (always a stop). SGLang's stop_token_ids."""
+    seed: int | None = None
+    """Base seed of rollout sampling (per step and rank seeds derive from it); null = train.seed.
+    SGLang applies per-request seeds only with rollout.sglang.deterministic_inference."""
 
 
 @dataclass
@@ -230,13 +243,43 @@ class DataConfig:
     num_examples: int = 4096
     """Built-in tasks: how many prompts to generate."""
     prompts_per_step: int = 16
+    chat_template: bool | None = None
+    """true | false | null (auto). Render prompts with the tokenizer's chat template (a user message,
+    add_generation_prompt=True). null: when the tokenizer has one. false: plain text, as zero-RL on a
+    Base model usually wants (with prompt_template)."""
+    system_prompt: str = ""
+    """A system message put before each prompt (a chat list that has one keeps its own); without a
+    chat template it is prepended to the text, followed by a newline. Empty = none."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of apply_chat_template, e.g. {enable_thinking: false} for Qwen3."""
+    prompt_template: str = ""
+    """A format string for a string prompt, with the placeholder "{prompt}" (any other braces are
+    literal), applied before the chat template if one is used. Empty = the prompt as is."""
+    shuffle: bool = True
+    """Shuffle the prompts every epoch (seeded by train.seed and the epoch: resumable)."""
+    num_epochs: int = 0
+    """Passes over the dataset; the run then ends early (train.num_steps is capped at the number of
+    full batches, the last partial batch dropped). 0 = cycle for train.num_steps steps."""
 
 
 @dataclass
 class RewardConfig:
     name: str = ""
-    """Reward function by name; empty = the built-in task's own reward."""
+    """A built-in reward (exact_match | position_match | final_answer | math_verify) or a user
+    function by import path: `my_pkg.rewards:score` or `path/to/file.py:score` (docs/rewards.md).
+    Resolved and signature-checked at config load. Empty = the built-in task's own reward
+    (math_verify for a data.path dataset)."""
     timeout_s: float = 10.0
+    """Seconds per sample (per batch when batched, per attempt with url) before it scores 0."""
+    batched: bool = False
+    """The function takes lists (responses, answers, **extra lists) and returns a list."""
+    url: str = ""
+    """Remote reward: POST each step's batch as JSON to this http(s) endpoint (docs/rewards.md);
+    replaces `name`."""
+    max_retries: int = 3
+    """url only: retries after a connection error, a timeout, HTTP 429 or 5xx; then the batch scores 0."""
+    retry_backoff_s: float = 1.0
+    """url only: sleep before retry k (1-based) is retry_backoff_s * 2**(k-1) seconds."""
 
 
 @dataclass
@@ -273,11 +316,30 @@ class TrainConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging (pip install -e ".[wandb]"), the same metric keys as TensorBoard."""
+
+    project: str = ""
+    """W&B project; empty = W&B off."""
+    name: str = ""
+    """Run name; empty = the name of log.dir."""
+    mode: str = "online"
+    """online | offline (writes log.dir/wandb, no network; `wandb sync` uploads later) | disabled."""
+
+
+@dataclass
 class LogConfig:
     dir: str = "runs/default"
     tensorboard: bool = True
     progress: bool = True
+    """A progress bar; off, every step logs one summary line instead (what a Slurm log shows)."""
     plot: bool = True
+    dump_samples_every: int = 0
+    """Write samples/step_XXXXXX.jsonl every this many steps (prompt, response, reward and its
+    components, advantage, length, finish reason; verl's rollout_data_dir). 0 = off."""
+    dump_samples_num: int = 16
+    """Samples per dump: the first ones of the log rank's share of the step."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -312,6 +374,13 @@ class CheckpointConfig:
     whose weights scored highest on that eval metric is named by the file `best` in the checkpoint
     folder (as `latest` names the newest); retention never deletes it. Empty: off. Higher is better.
     Only checkpointed weights compete: evaluate on the steps you save (docs/eval.md)."""
+    keep_last: int = 0
+    """Keep only the newest N complete checkpoints (older ones are deleted after each save; the
+    one `latest` names, the one a `best` file names and any being written are never deleted).
+    0 = keep all."""
+    save_hf_every: int = 0
+    """Steps between HF safetensors exports (log.dir/hf/step_XXXXXX: config, tokenizer, weights;
+    loadable by transformers and SGLang). 0 = off."""
 
 
 @dataclass
@@ -402,6 +471,7 @@ _CHOICES = {
     "calib.balance": ("count", "abs_adv", "abs_adv_ratio"),
     "rollout.engine": ("torch", "sglang"),
     "model.tiny_arch": ("llama", "qwen2", "qwen3"),
+    "log.wandb.mode": ("online", "offline", "disabled"),
 }
 
 _POSITIVE = (
@@ -422,6 +492,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
+    if tp is Any:
+        return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"config key '{key}': expected a mapping with string keys, got {value!r}")
+        return dict(value)
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"config key '{key}': expected a list, got {value!r}")
@@ -523,7 +599,69 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_calib(cfg)
     _validate_losses(cfg)
     _validate_eval(cfg)
+    _validate_reward(cfg.reward)
+    _validate_data(cfg.data)
+    _validate_sampling(cfg)
+    _validate_log(cfg.log)
+    for key in ("keep_last", "save_hf_every"):
+        if getattr(cfg.checkpoint, key) < 0:
+            raise ValueError(f"config key 'checkpoint.{key}': must be >= 0, got {getattr(cfg.checkpoint, key)}")
     return cfg
+
+
+def _validate_log(log: LogConfig) -> None:
+    if log.dump_samples_every < 0:
+        raise ValueError(f"config key 'log.dump_samples_every': must be >= 0, got {log.dump_samples_every}")
+    if log.dump_samples_num < 1:
+        raise ValueError(f"config key 'log.dump_samples_num': must be >= 1, got {log.dump_samples_num}")
+    if log.wandb.project and log.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ValueError('config key \'log.wandb.project\': W&B logging needs wandb (pip install -e ".[wandb]")')
+
+
+def _validate_sampling(cfg: RunConfig) -> None:
+    r = cfg.rollout
+    if not (r.top_k == -1 or r.top_k >= 1):
+        raise ValueError(f"config key 'rollout.top_k': must be -1 (off) or >= 1, got {r.top_k}")
+    if not 0.0 <= r.min_p <= 1.0:
+        raise ValueError(f"config key 'rollout.min_p': must be in [0, 1], got {r.min_p}")
+    if any(not s for s in r.stop):
+        raise ValueError(f"config key 'rollout.stop': empty stop string in {r.stop}")
+    if any(t < 0 for t in r.stop_token_ids):
+        raise ValueError(f"config key 'rollout.stop_token_ids': negative id in {r.stop_token_ids}")
+    if r.engine == "sglang" and r.min_p > 0 and r.sglang.deterministic_inference:
+        # srt/layers/sampler.py asserts sampling_seed is None on the min-p path.
+        raise ValueError("config key 'rollout.min_p': SGLang's seeded (deterministic) sampler does not "
+                         "support min_p; set rollout.min_p=0 or rollout.sglang.deterministic_inference=false")
+
+
+def _validate_data(d: DataConfig) -> None:
+    if d.num_epochs < 0:
+        raise ValueError(f"config key 'data.num_epochs': must be >= 0, got {d.num_epochs}")
+    if d.prompt_template and "{prompt}" not in d.prompt_template:
+        raise ValueError(f"config key 'data.prompt_template': needs the placeholder {{prompt}}, got {d.prompt_template!r}")
+    if d.template_kwargs and d.chat_template is False:
+        raise ValueError("config key 'data.template_kwargs': set, but data.chat_template is false (no template to pass them to)")
+
+
+def _validate_reward(r: RewardConfig) -> None:
+    """A typo in reward.name fails here, on every rank, before the actor or any server is built."""
+    from megatron_rl.rewards import get_reward_fn
+
+    if r.max_retries < 0:
+        raise ValueError(f"config key 'reward.max_retries': must be >= 0, got {r.max_retries}")
+    if r.retry_backoff_s < 0:
+        raise ValueError(f"config key 'reward.retry_backoff_s': must be >= 0, got {r.retry_backoff_s}")
+    if r.url:
+        if not r.url.startswith(("http://", "https://")):
+            raise ValueError(f"config key 'reward.url': expected an http:// or https:// URL, got {r.url!r}")
+        if r.name:
+            raise ValueError("config key 'reward.url': set either reward.url or reward.name, not both")
+        return
+    if r.name:
+        try:
+            get_reward_fn(r.name, batched=r.batched)
+        except ValueError as err:
+            raise ValueError(f"config key 'reward.name': {err}") from None
 
 
 def _validate_token_budget(cfg: RunConfig) -> None:

@@ -84,9 +84,11 @@ def run(cfg: RunConfig) -> dict[str, float]:
                 metrics.update(_evaluate(run_, evaluator, best, step, step + 1, memory))
             _add_health(detector, step, metrics, warn=run_.is_log_rank)
             run_.logger.log(step, metrics)
-            if run_.save_due(step):
+            if run_.save_due(step) or run_.hf_export_due(step):
                 with memory.trainer_on_device():
                     run_.maybe_save(step)
+                    if run_.hf_export_due(step):
+                        run_.export_hf(step)
                 if best is not None:
                     best.saved(run_.checkpointer.latest_step())
     finally:

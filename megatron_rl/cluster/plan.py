@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.config import RunConfig
-from megatron_rl.models.hf_config import ModelSpec
+from megatron_rl.models.hf_config import ModelSpec, check_divisibility
 from megatron_rl.cluster.memory import GB, Cluster, kv_tokens, rollout_memory, trainer_memory
 
 
@@ -30,7 +30,9 @@ def trainer_dp(cfg: RunConfig, cluster: Cluster) -> int:
 
 
 def plan(cfg: RunConfig, spec: ModelSpec, cluster: Cluster, cuda: bool = True) -> dict:
-    """The plan as `megatron-rl plan --json` prints it (GB per GPU)."""
+    """The plan as `megatron-rl plan --json` prints it (GB per GPU). ValueError, as the actor would
+    raise it, when the model does not split over the configured TP / PP sizes."""
+    check_divisibility(spec, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
     trainer = trainer_memory(cfg, spec, trainer_dp(cfg, cluster), cuda)
     rollout = rollout_memory(cfg, spec, cluster.gpu_mem_gb)
     colocated = is_colocated(cfg)

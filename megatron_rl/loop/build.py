@@ -69,6 +69,16 @@ class Run:
         if self.save_due(step):
             self.checkpointer.save(self, step + 1)
 
+    def hf_export_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.save_hf_every
+        return bool(every) and (step + 1) % every == 0
+
+    def export_hf(self, step: int) -> None:
+        """checkpoint.save_hf_every: the weights after `step` as log.dir/hf/step_<step + 1>."""
+        from megatron_rl.loop.hf_export import export_hf, hf_export_dir
+
+        export_hf(self.actor, self.parallel, self.checkpointer.hf_dir, hf_export_dir(self.cfg.log.dir, step + 1))
+
     def finish(self) -> None:
         self.checkpointer.wait()  # an async save in flight is published before the run ends
         self.logger.close()
@@ -108,32 +118,63 @@ def build_model_dir(cfg: RunConfig, parallel) -> Path:
     return prepare_tiny_model(cfg, cache)
 
 
+def _dataset_kwargs(data_cfg) -> dict:
+    """PromptDataset keyword arguments of a `data` section: keys, length limit, prompt formatting."""
+    from megatron_rl.data.datasets import PromptFormat
+
+    d = data_cfg
+    fmt = PromptFormat(apply_chat_template=d.chat_template, system_prompt=d.system_prompt,
+                       template_kwargs=dict(d.template_kwargs), prompt_template=d.prompt_template)
+    return dict(prompt_key=d.prompt_key, answer_key=d.answer_key, max_prompt_len=d.max_prompt_len, fmt=fmt)
+
+
 def read_prompts(cfg: RunConfig, tokenizer, path: str = "", records: list | None = None):
     """A PromptDataset from a .jsonl / .parquet file or in-memory records, with the training data's
     keys, prompt formatting and length limit (training and evaluation share this path)."""
     from megatron_rl.data.datasets import PromptDataset
 
-    kw = dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-              max_prompt_len=cfg.data.max_prompt_len)
+    kw = _dataset_kwargs(cfg.data)
     if records is not None:
         return PromptDataset.from_records(records, tokenizer, **kw)
     reader = PromptDataset.from_parquet if Path(path).suffix == ".parquet" else PromptDataset.from_jsonl
-    return reader(Path(path), tokenizer, **kw)
+    return reader(str(path), tokenizer, **kw)
+
+
+def build_dataset(data_cfg, tokenizer, seed: int):
+    """The PromptDataset a `data` section describes (training and evaluation sets alike): the file
+    at data_cfg.path, or the built-in task; keys, answers and prompt formatting from the section."""
+    from megatron_rl.data.datasets import PromptDataset
+    from megatron_rl.data.tasks import make_task_dataset
+
+    d = data_cfg
+    kw = _dataset_kwargs(d)
+    if d.path:
+        path = Path(d.path)
+        if not path.is_file():
+            raise ValueError(f"config key 'data.path': no such file {path}")
+        reader = PromptDataset.from_parquet if path.suffix == ".parquet" else PromptDataset.from_jsonl
+        return reader(str(path), tokenizer, **kw)
+    return PromptDataset.from_records(make_task_dataset(d.task, d.num_examples, seed=seed), tokenizer, **kw)
 
 
 def build_data(cfg: RunConfig, tokenizer, parallel):
+    """The training loader. data.num_epochs > 0 caps train.num_steps at the batches it holds."""
     from megatron_rl.data.loader import PromptLoader
-    from megatron_rl.data.tasks import make_task_dataset
 
-    if cfg.data.path:
-        dataset = read_prompts(cfg, tokenizer, cfg.data.path)
-    else:
-        records = make_task_dataset(cfg.data.task, cfg.data.num_examples, seed=cfg.train.seed)
-        dataset = read_prompts(cfg, tokenizer, records=records)
+    dataset = build_dataset(cfg.data, tokenizer, cfg.train.seed)
     if cfg.data.prompts_per_step % parallel.dp_size:
         raise ValueError(f"config key 'data.prompts_per_step': {cfg.data.prompts_per_step} is not "
                          f"divisible by the data-parallel size {parallel.dp_size}")
-    return PromptLoader(dataset, batch_size=cfg.data.prompts_per_step, seed=cfg.train.seed)
+    loader = PromptLoader(dataset, batch_size=cfg.data.prompts_per_step, seed=cfg.train.seed,
+                          shuffle=cfg.data.shuffle, num_epochs=cfg.data.num_epochs)
+    if loader.num_batches is not None and loader.num_batches < cfg.train.num_steps:
+        if loader.num_batches == 0:
+            raise ValueError(f"config key 'data.num_epochs': {cfg.data.num_epochs} epochs of {len(dataset)} "
+                             f"prompts hold no full batch of data.prompts_per_step={cfg.data.prompts_per_step}")
+        log.info("data.num_epochs=%d: %d steps (train.num_steps=%d capped)", cfg.data.num_epochs,
+                 loader.num_batches, cfg.train.num_steps)
+        cfg.train.num_steps = loader.num_batches
+    return loader
 
 
 def reward_name(cfg: RunConfig) -> str:
@@ -144,9 +185,15 @@ def reward_name(cfg: RunConfig) -> str:
 
 
 def build_rewards(cfg: RunConfig):
-    from megatron_rl.rewards import RewardRunner, get_reward_fn
+    """The reward runner: reward.url (HTTP, batched), a user or built-in reward.name, or the task's."""
+    from megatron_rl.rewards import HttpReward, RewardRunner, get_reward_fn
 
-    return RewardRunner(get_reward_fn(reward_name(cfg)), timeout_s=cfg.reward.timeout_s)
+    r = cfg.reward
+    if r.url:
+        remote = HttpReward(r.url, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.retry_backoff_s)
+        # The worker's wait covers every attempt: the endpoint's own timeouts end the call first.
+        return RewardRunner(remote, timeout_s=remote.max_budget_s() + 5.0, batched=True)
+    return RewardRunner(get_reward_fn(reward_name(cfg), batched=r.batched), timeout_s=r.timeout_s, batched=r.batched)
 
 
 def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = None, rank: int = 0):
@@ -324,10 +371,12 @@ def build_run(cfg: RunConfig) -> Run:
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
-                                async_save=cfg.checkpoint.async_save)
+                                async_save=cfg.checkpoint.async_save, keep_last=cfg.checkpoint.keep_last)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
+    w = cfg.log.wandb
     logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
-                           total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0)
+                           total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0,
+                           wandb={"project": w.project, "name": w.name, "mode": w.mode, "config": cfg.to_dict()})
     if parallel.rank == 0:
         save_config(cfg, Path(cfg.log.dir) / "config.yaml")
     return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),

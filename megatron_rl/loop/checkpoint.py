@@ -14,6 +14,10 @@ Layout::
 A step folder is written as `step_000010.tmp` and renamed only when every rank has finished, so
 a kill mid-save leaves the previous checkpoint as the latest one and no folder that looks complete.
 
+Retention (checkpoint.keep_last = N > 0): after each publish, rank 0 deletes complete step folders
+older than the N newest. Never deleted: a `.tmp` folder (being written, or left by a kill), the
+folder `latest` names, and the folder a `best` file names (written by evaluation, like `latest`).
+
 The RL state does not depend on the world size (the loader, controller and sync version are the
 same on every rank; each rank's RNG state is kept by rank), so a run resumes at another DP size:
 there each rank restores the RNG of the same rank if the saved run had one, else rank 0's.
@@ -69,10 +73,11 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
 
 class Checkpointer:
     def __init__(self, root: str | Path, hf_dir: str | Path | None = None, *,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, keep_last: int = 0) -> None:
         self.root = Path(root)
         self.hf_dir = Path(hf_dir) if hf_dir else None
         self.async_save = async_save
+        self.keep_last = keep_last
         self._queue = None  # megatron AsyncCallsQueue, made at the first async save
 
     def _copy_hf_files(self, folder: Path) -> None:
@@ -131,7 +136,42 @@ class Checkpointer:
             os.replace(tmp, final)
             write_marker(self.root / "latest", str(step))
             log.info("checkpoint saved: %s", final)
+            if self.keep_last:
+                self.prune()
         _barrier()
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a published folder (renamed from .tmp, holding rl_state.pt), ascending."""
+        steps = []
+        for folder in self.root.glob("step_*"):
+            suffix = folder.name.removeprefix("step_")
+            if suffix.isdigit() and (folder / "rl_state.pt").exists():
+                steps.append(int(suffix))
+        return sorted(steps)
+
+    def _marked_step(self, name: str) -> int | None:
+        """The step a marker file (`latest`, `best`) names: a step number or a step folder's name."""
+        marker = self.root / name
+        if not marker.exists():
+            return None
+        text = marker.read_text().strip().rstrip("/").rsplit("/", 1)[-1].removeprefix("step_")
+        return int(text) if text.isdigit() else None
+
+    def prune(self) -> list[int]:
+        """Delete complete checkpoints beyond the keep_last newest, sparing `latest` and `best`
+        (and every .tmp folder); returns the deleted steps. Rank 0 only."""
+        steps = self.complete_steps()
+        keep = set(steps[-self.keep_last:]) | {self._marked_step("latest"), self._marked_step("best")}
+        doomed = [s for s in steps if s not in keep]
+        for step in doomed:
+            # Renamed out of the step_* pattern first: a kill mid-delete leaves no half checkpoint
+            # that looks complete.
+            trash = self.root / f".deleting_{step:06d}"
+            os.replace(self._dir(step), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        if doomed:
+            log.info("checkpoint.keep_last=%d: deleted steps %s", self.keep_last, doomed)
+        return doomed
 
     @staticmethod
     def _rl_state(run, step: int, rngs: list) -> dict:

@@ -37,21 +37,29 @@ def _generate_on_engine(run, prompts, step: int):
     from megatron_rl.rollout.base import SamplingParams
 
     r = run.cfg.rollout
+    seed = run.cfg.train.seed if r.seed is None else r.seed
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_token_ids=[run.tokenizer.eos_token_id], n=r.n_samples_per_prompt,
-                              seed=_step_seed(run.cfg.train.seed, step, run.parallel.dp_rank))
+                              stop_token_ids=[run.tokenizer.eos_token_id, *r.stop_token_ids],
+                              n=r.n_samples_per_prompt, seed=_step_seed(seed, step, run.parallel.dp_rank),
+                              top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop))
     return run.engine.generate([p.prompt_ids for p in prompts], sampling)
 
 
 def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
     """Rewards [N] (+ DAPO overlong shaping), reward-runner error counts, and garbled [N] float32
-    (1.0 where a response fails the built-in task's format check; None for a user dataset)."""
+    (1.0 where a response fails the built-in task's format check; None for a user dataset).
+    The reward's named components ride in the metrics as "reward/<name>" -> [N] float32 lists
+    (`generate` averages them over the global batch)."""
     from megatron_rl.algo.advantages import overlong_penalty
+    from megatron_rl.rollout.base import trim_at_stop
 
     n = run.cfg.rollout.n_samples_per_prompt
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    if run.cfg.rollout.stop:  # the engines keep a stop string's tokens; the reward sees the text before it
+        texts = [trim_at_stop(t, run.cfg.rollout.stop) for t in texts]
     answers = [prompts[i // n].answer for i in range(len(samples))]
-    rewards, stats = run.rewards.score(texts, answers)
+    extras = [prompts[i // n].extra for i in range(len(samples))]
+    rewards, stats = run.rewards.score(texts, answers, extras=extras)
     rewards = torch.tensor(rewards, dtype=torch.float32)  # non-finite results: 0 and counted as errors
     a = run.cfg.algo
     if a.overlong_buffer_len > 0:
@@ -60,8 +68,36 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
                                              a.overlong_buffer_len, a.overlong_penalty_factor)
     valid = None if run.cfg.data.path else get_task(run.cfg.data.task).valid_format
     garbled = None if valid is None else torch.tensor([float(not valid(t)) for t in texts])
-    return rewards, {"reward/errors": float(stats["num_errors"]),
-                     "reward/timeouts": float(stats["num_timeouts"])}, garbled
+    metrics = {"reward/errors": float(stats["num_errors"]), "reward/timeouts": float(stats["num_timeouts"])}
+    metrics.update({_component_key(k): v for k, v in stats.get("components", {}).items()})
+    return rewards, metrics, garbled
+
+
+# The loop's own reward/* metrics: a reward component of the same name is logged as reward/fn_<name>.
+RESERVED_REWARD_KEYS = ("mean", "std", "sq", "errors", "timeouts")
+
+
+def _component_key(name: str) -> str:
+    return f"reward/fn_{name}" if name in RESERVED_REWARD_KEYS else f"reward/{name}"
+
+
+def _length_metrics(run, samples) -> tuple[dict[str, torch.Tensor], float]:
+    """Per-sample means (length, truncated fraction) and the global maximum response length."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    truncated = torch.tensor([float(s.finish_reason == "length") for s in samples])
+    longest = collectives.all_reduce(lengths.max().reshape(1).double(), run.parallel.dp_group, op="max")
+    return {"response_length/mean": lengths, "response_length/clip_ratio": truncated}, float(longest[0])
+
+
+def _component_means(run, metrics: dict) -> dict[str, torch.Tensor]:
+    """Pop the reward components (lists) out of `metrics`; every DP rank gets the same names (the
+    union, missing ones 0.0), so the one reduction that averages them has one shape everywhere."""
+    mine = {k: metrics.pop(k) for k in [k for k, v in metrics.items() if isinstance(v, list)]}
+    names = sorted(mine)
+    if run.parallel.dp_size > 1:
+        names = sorted({k for ks in collectives.all_gather_objects(names, run.parallel.dp_group) for k in ks})
+    size = len(next(iter(mine.values()))) if mine else 1
+    return {k: torch.tensor(mine.get(k, [0.0] * size), dtype=torch.float32) for k in names}
 
 
 def _advantages(run, rewards: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
@@ -86,15 +122,18 @@ def generate(run, prompts, step: int) -> Rollout:
     rewards, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
     n = run.cfg.rollout.n_samples_per_prompt
     keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    means = {"reward/mean": rewards, "reward/sq": rewards**2, "response_length/mean": lengths,
-             "dynamic_sampling/kept_frac": keep.float()}
+    length_means, metrics["response_length/max"] = _length_metrics(run, samples)
+    components = _component_means(run, metrics)
+    means = {"reward/mean": rewards, "reward/sq": rewards**2, **length_means,
+             "dynamic_sampling/kept_frac": keep.float(), **components}
     if garbled is not None:  # every response of every DP rank, before dynamic sampling drops any
         means["health/garbled_rate"] = garbled
     metrics.update(_reduced_means(run, means))
     metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
     metrics["time/rollout"] = t_rollout
     kept_total = _reduce_sum(run, float(keep.sum()))
+    if _dump_due(run, step):
+        _dump_samples(run, step, prompts, samples, rewards, components)
     if kept_total == 0:
         metrics["step/skipped"] = 1.0
         return Rollout(None, metrics)
@@ -102,6 +141,29 @@ def generate(run, prompts, step: int) -> Rollout:
     batch = collate(samples, advantages, run.tokenizer.pad_token_id)
     metrics["step/skipped"] = 0.0
     return Rollout(_drop_groups(batch, keep, run.parallel.dp_size), metrics)
+
+
+def _dump_due(run, step: int) -> bool:
+    every = run.cfg.log.dump_samples_every
+    return bool(every) and step % every == 0 and run.is_log_rank
+
+
+def _dump_samples(run, step: int, prompts, samples, rewards: torch.Tensor, components: dict) -> None:
+    """log.dump_samples_num samples of this rank (the log rank: its data-parallel shard) as the
+    reward saw them (text cut at a stop string), with the advantage the trainer gets."""
+    from megatron_rl.rollout.base import trim_at_stop
+    from megatron_rl.telemetry.samples import sample_records, write_samples
+
+    n, stop = run.cfg.rollout.n_samples_per_prompt, run.cfg.rollout.stop
+    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    records = sample_records(
+        prompts=[prompts[s.prompt_index].prompt_text for s in samples],
+        responses=[trim_at_stop(t, stop) for t in texts], rewards=rewards.tolist(),
+        advantages=_advantages(run, rewards).tolist(), lengths=[len(s.response_ids) for s in samples],
+        finish_reasons=[s.finish_reason for s in samples], answers=[prompts[i // n].answer for i in range(len(samples))],
+        components={k.removeprefix("reward/"): v.tolist() for k, v in components.items()},
+        limit=run.cfg.log.dump_samples_num)
+    write_samples(run.cfg.log.dir, step, records)
 
 
 def _drop_groups(batch: Batch, keep: torch.Tensor, dp_size: int) -> Batch:

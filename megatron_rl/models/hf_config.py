@@ -153,18 +153,18 @@ def _rope_fields(cfg: dict) -> dict:
     return fields
 
 
-def transformer_config_kwargs(spec: ModelSpec, *, tp: int = 1, pp: int = 1,
-                              params_dtype: torch.dtype = torch.float32) -> dict:
-    """Keyword arguments for megatron.core TransformerConfig reproducing the HF model.
-
-    The fusion flags are off because their kernels are CUDA-only (ecosystem.md lists them as the
-    CPU-safe set); on GPUs the TE layer spec fuses on its own.
-    """
+def check_divisibility(spec: ModelSpec, tp: int, pp: int) -> None:
+    """ValueError unless the model splits evenly: layers over PP stages; attention heads, KV heads,
+    vocabulary and FFN width over TP ranks. The actor (transformer_config_kwargs) and the planner
+    (`megatron-rl plan`) both call it, so they refuse with the same message."""
     if spec.num_layers % pp:
         raise ValueError(f"num_layers={spec.num_layers} is not divisible by "
                          f"pipeline_model_parallel_size={pp}")
     if spec.num_query_groups % tp:
         raise ValueError(f"num_key_value_heads={spec.num_query_groups} is not divisible by "
+                         f"tensor_model_parallel_size={tp}")
+    if spec.num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads={spec.num_attention_heads} is not divisible by "
                          f"tensor_model_parallel_size={tp}")
     if spec.vocab_size % tp:
         raise ValueError(f"vocab_size={spec.vocab_size} is not divisible by "
@@ -172,6 +172,16 @@ def transformer_config_kwargs(spec: ModelSpec, *, tp: int = 1, pp: int = 1,
     if spec.ffn_hidden_size % tp:
         raise ValueError(f"intermediate_size={spec.ffn_hidden_size} is not divisible by "
                          f"tensor_model_parallel_size={tp}")
+
+
+def transformer_config_kwargs(spec: ModelSpec, *, tp: int = 1, pp: int = 1,
+                              params_dtype: torch.dtype = torch.float32) -> dict:
+    """Keyword arguments for megatron.core TransformerConfig reproducing the HF model.
+
+    The fusion flags are off because their kernels are CUDA-only (ecosystem.md lists them as the
+    CPU-safe set); on GPUs the TE layer spec fuses on its own.
+    """
+    check_divisibility(spec, tp, pp)
     return dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,

@@ -1,4 +1,4 @@
-"""Reward functions (exact match, final answer, math-verify), their registry, and the timeout-guarded runner."""
+"""Reward functions (built-in, user import paths, HTTP), their registry, and the timeout-guarded runner."""
 
 from megatron_rl.rewards.functions import (
     REWARD_FNS,
@@ -11,10 +11,12 @@ from megatron_rl.rewards.functions import (
     position_match,
     register_reward_fn,
 )
-from megatron_rl.rewards.runner import RewardRunner
+from megatron_rl.rewards.http import HttpReward
+from megatron_rl.rewards.runner import RewardRunner, normalize
 
 __all__ = [
     "REWARD_FNS",
+    "HttpReward",
     "RewardFn",
     "RewardRunner",
     "exact_match",
@@ -22,6 +24,7 @@ __all__ = [
     "get_answer_extractor",
     "get_reward_fn",
     "math_verify_reward",
+    "normalize",
     "position_match",
     "register_reward_fn",
 ]

@@ -1,13 +1,17 @@
 """Verifiable reward functions (exact match, per-position match, final answer, math-verify) and their registry.
 
-A reward function maps (response: str, answer: str) -> float. It may raise or hang: the
+A reward function maps (response: str, answer: str, **extra) -> float, or a dict with "score",
+numeric components and an optional "pred" (runner.normalize). It may raise or hang: the
 RewardRunner (runner.py) turns either into reward 0.0 and counts it, so functions stay simple.
+A user function is named by import path (user.py) wherever a built-in name is accepted.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Callable
+
+from megatron_rl.rewards.user import check_signature, is_import_path, load_user_fn
 
 RewardFn = Callable[[str, str], float]
 
@@ -112,8 +116,15 @@ def get_answer_extractor(name: str) -> Callable[[str], str | None] | None:
     return ANSWER_EXTRACTORS.get(name)
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """Look up a reward function by name; ValueError lists the registered names."""
+def get_reward_fn(name: str, batched: bool = False) -> Callable:
+    """A built-in (or registered) reward by name, or a user function by import path
+    ("pkg.module:fn", "path/to/file.py:fn"), signature-checked; ValueError lists the registered names."""
+    if is_import_path(name):
+        fn = load_user_fn(name)
+        check_signature(fn, name, batched)
+        return fn
+    if batched:
+        raise ValueError(f"reward {name!r}: built-in rewards are per-sample; batched needs an import path")
     if name not in REWARD_FNS:
         raise ValueError(f"unknown reward function {name!r}; registered: {sorted(REWARD_FNS)}")
     return REWARD_FNS[name]

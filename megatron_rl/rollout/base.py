@@ -30,6 +30,9 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     ignore_eos: bool = False
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] | list[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -40,6 +43,17 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+
+
+def trim_at_stop(text: str, stop: tuple[str, ...] | list[str]) -> str:
+    """`text` cut before the first stop string it contains (SGLang's detokenizer_manager.py
+    trim_matched_stop, no_stop_trim=False); unchanged when it contains none."""
+    cuts = [text.find(s) for s in stop if s and s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 @dataclass

@@ -347,6 +347,12 @@ def _generate_body(rows, sampling: SamplingParams) -> dict:
              "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos}
         if sampling.stop_token_ids:
             p["stop_token_ids"] = sorted(int(t) for t in sampling.stop_token_ids)
+        if sampling.top_k != -1:
+            p["top_k"] = sampling.top_k
+        if sampling.min_p:
+            p["min_p"] = sampling.min_p
+        if sampling.stop:  # SGLang trims the text only; output_ids keep the stop string's tokens
+            p["stop"] = list(sampling.stop)
         # Distinct per row, else the n replicas would be identical. SGLang uses it only under
         # --enable-deterministic-inference (rollout.sglang.deterministic_inference); otherwise rows
         # come from the server's generator and a rerun samples differently.

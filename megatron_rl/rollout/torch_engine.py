@@ -55,12 +55,19 @@ def _load_model(hf_model_or_dir: Any, dtype: torch.dtype, device: str) -> nn.Mod
     return model.to(device).eval().requires_grad_(False)
 
 
-def _top_p_filter(probs_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero every token outside the smallest set whose mass reaches top_p (the top token stays)."""
+def _filter(probs_BV: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Zero tokens outside top-k, outside the smallest set whose mass reaches top_p, and below
+    min_p x the top probability, each judged on the untruncated probabilities, as SGLang's
+    top_k_top_p_min_p_sampling_from_probs_torch (srt/layers/sampler.py) does. The top token stays."""
     sorted_p, order = probs_BV.sort(dim=-1, descending=True)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
-    return torch.zeros_like(probs_BV).scatter_(-1, order, sorted_p)
+    drop = mass_before >= sampling.top_p
+    if sampling.top_k > 0:
+        drop |= torch.arange(sorted_p.shape[-1], device=sorted_p.device) >= sampling.top_k
+    if sampling.min_p > 0.0:
+        drop |= sorted_p < sorted_p[:, :1] * sampling.min_p
+    drop[:, 0] = False
+    return torch.zeros_like(probs_BV).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
 def sample_tokens(
@@ -68,15 +75,16 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits_BV: [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
 
-    logprobs are log_softmax(logits / T) at the drawn tokens (T = 1 when greedy), before top-p.
+    logprobs are log_softmax(logits / T) at the drawn tokens (T = 1 when greedy), before
+    top-k / top-p / min-p.
     """
     if sampling.temperature == 0.0:
         tokens = logits_BV.argmax(dim=-1)
         return tokens, torch.log_softmax(logits_BV, dim=-1).gather(-1, tokens[:, None])[:, 0]
     logprobs_BV = torch.log_softmax(logits_BV / sampling.temperature, dim=-1)
     probs_BV = logprobs_BV.exp()
-    if sampling.top_p < 1.0:
-        probs_BV = _top_p_filter(probs_BV, sampling.top_p)
+    if sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_p > 0.0:
+        probs_BV = _filter(probs_BV, sampling)
     tokens = torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
     return tokens, logprobs_BV.gather(-1, tokens[:, None])[:, 0]
 
@@ -95,6 +103,7 @@ class TorchRolloutEngine(RolloutEngine):
         device, dtype: where and in what high-precision dtype the model runs.
         seed: seeds the engine's generator, used by generate() calls whose SamplingParams.seed is None.
         max_batch_size: rows (prompts x n) per decode batch; None = all at once.
+        tokenizer: decodes responses for SamplingParams.stop; None = loaded from the folder on first use.
     """
 
     def __init__(
@@ -109,6 +118,7 @@ class TorchRolloutEngine(RolloutEngine):
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         max_batch_size: int | None = None,
+        tokenizer: Any = None,
     ):
         _check_choice("rollout_quant", rollout_quant, ROLLOUT_QUANTS)
         _check_choice("scale_format", scale_format, SCALE_FORMATS)
@@ -122,6 +132,9 @@ class TorchRolloutEngine(RolloutEngine):
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_batch_size = max_batch_size
+        self._tokenizer = tokenizer
+        # The folder the stop-string tokenizer loads from on first use when none was passed.
+        self.stop_tokenizer_source = hf_model_or_dir if isinstance(hf_model_or_dir, (str, os.PathLike)) else None
         self.model = _load_model(hf_model_or_dir, dtype, device)
         self.config = self.model.config
         self.high_precision = self._high_precision(tuple(high_precision))
@@ -258,6 +271,8 @@ class TorchRolloutEngine(RolloutEngine):
             tokens_T.append(tokens)
             logprobs_T.append(logprobs)
             stopped = ~done & torch.isin(tokens, stop_ids)
+            if sampling.stop:
+                stopped |= ~done & self._stop_string_hit(tokens_T, sampling.stop)
             lengths[stopped] = step + 1
             done |= stopped
             if bool(done.all()):
@@ -265,6 +280,24 @@ class TorchRolloutEngine(RolloutEngine):
             ids, mask = tokens[:, None], torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             positions = positions[:, -1:] + 1
         return self._to_samples(rows, torch.stack(tokens_T, 1), torch.stack(logprobs_T, 1), lengths, done)
+
+    def _stop_string_hit(self, tokens_T: list[torch.Tensor], stop: tuple[str, ...] | list[str]) -> torch.Tensor:
+        """[B] bool: the decoded tail of each row contains a stop string. The tail is the last
+        (longest stop string in tokens + 1) tokens, as SGLang's Req.tail_str (schedule_batch.py)."""
+        tokenizer = self._stop_tokenizer()
+        width = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stop) + 1
+        tails = torch.stack(tokens_T[-width:], 1).tolist()
+        texts = tokenizer.batch_decode(tails, skip_special_tokens=False)
+        return torch.tensor([any(s and s in t for s in stop) for t in texts], device=self.device)
+
+    def _stop_tokenizer(self):
+        if self._tokenizer is None:
+            if self.stop_tokenizer_source is None:
+                raise ValueError("SamplingParams.stop needs a tokenizer: pass tokenizer= to TorchRolloutEngine")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(os.fspath(self.stop_tokenizer_source))
+        return self._tokenizer
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [B, L] int64 and mask [B, L] int64 (0 on padding); the pad id is never attended."""

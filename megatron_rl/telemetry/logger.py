@@ -1,14 +1,35 @@
-"""Run telemetry: one JSONL line and the same TensorBoard scalars per step, a progress bar, a summary."""
+"""Run telemetry: one JSONL line and the same TensorBoard (and W&B) scalars per step, a progress bar
+or a one-line summary per step, and an end-of-run summary."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 PROGRESS_KEYS = (("reward/mean", "reward"), ("entropy", "ent"), ("clip/low_neg", "clip-"),
                  ("calib/low", "L"), ("calib/high", "H"))
+# The per-step line when the progress bar is off (a Slurm log): key, label, format.
+LINE_KEYS = (("reward/mean", "reward", ".4g"), ("reward/accuracy", "acc", ".3g"), ("entropy", "ent", ".4g"),
+             ("response_length/mean", "len", ".1f"), ("response_length/clip_ratio", "trunc", ".3g"),
+             ("clip/low_neg", "clip-", ".3g"), ("calib/low", "L", ".4g"), ("calib/high", "H", ".4g"),
+             ("grad_norm", "gnorm", ".3g"), ("lr", "lr", ".3g"), ("time/step", "s", ".1f"))
+
+log = logging.getLogger("megatron_rl.telemetry")
+
+
+def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+    """`step 3/40 reward 0.4 ent 0.31 ...`: the metrics of LINE_KEYS that the step has."""
+    parts = [f"step {step + 1}/{total}" if total else f"step {step + 1}"]
+    for key, label, fmt in LINE_KEYS:
+        value = metrics.get(key)
+        if value is not None and math.isfinite(value):
+            parts.append(f"{label} {value:{fmt}}")
+    if metrics.get("step/skipped"):
+        parts.append("(skipped)")
+    return " ".join(parts)
 
 
 class MetricsLogger:
@@ -19,17 +40,22 @@ class MetricsLogger:
     """
 
     def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
-                 total_steps: int = 0, start_step: int = 0, enabled: bool = True) -> None:
+                 total_steps: int = 0, start_step: int = 0, enabled: bool = True,
+                 wandb: dict[str, Any] | None = None) -> None:
         self.dir = Path(log_dir)
         self.enabled = enabled
         self.path = self.dir / "metrics.jsonl"
+        self.total_steps = total_steps
         self._tb = None
         self._bar = None
+        self._wandb = None
         self.history: list[dict[str, Any]] = []
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         self._truncate(start_step)
+        if wandb and wandb.get("project") and wandb.get("mode") != "disabled":
+            self._wandb = _start_wandb(self.dir, wandb)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.dir / "tb"), purge_step=start_step)
@@ -58,12 +84,19 @@ class MetricsLogger:
                 if value is not None and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        if self._bar is not None:
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        if self._bar is None:
+            log.info("%s", step_line(step, self.total_steps, metrics))
+        else:
             self._bar.set_postfix({short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS
                                    if metrics.get(k) is not None}, refresh=False)
             self._bar.update(1)
 
     def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
@@ -80,6 +113,16 @@ class MetricsLogger:
                 tail = vals[-5:]
                 lines.append(f"{key:<28}{vals[0]:>12.4f}{sum(tail) / len(tail):>14.4f}")
         return "\n".join(lines)
+
+
+def _start_wandb(log_dir: Path, opts: dict[str, Any]):
+    """A W&B run writing under log_dir/wandb; ValueError when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError('config key \'log.wandb.project\': W&B logging needs wandb (pip install -e ".[wandb]")') from None
+    return wandb.init(project=opts["project"], name=opts.get("name") or log_dir.name, mode=opts.get("mode", "online"),
+                      dir=str(log_dir), config=opts.get("config"), reinit="finish_previous")
 
 
 def _finite_or_none(value: Any) -> float | None:

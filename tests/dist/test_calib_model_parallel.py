@@ -10,7 +10,7 @@ class _CountingRewards:
     def __init__(self, rank: int) -> None:
         self.rank, self.calls = rank, 0
 
-    def score(self, texts, answers):
+    def score(self, texts, answers, extras=None):
         self.calls += 1
         return [float(len(t) + 10 * self.rank) for t in texts], {"num_errors": self.rank, "num_timeouts": 0}
 
@@ -29,7 +29,7 @@ def _worker(rank: int, world_size: int) -> dict:
     run = SimpleNamespace(cfg=load_config(None, ["rollout.n_samples_per_prompt=2"]), parallel=parallel, host_groups=None,
                           is_engine_rank=rank == 0, rewards=_CountingRewards(rank),
                           tokenizer=SimpleNamespace(batch_decode=lambda ids, **kw: ["x" * len(i) for i in ids]))
-    prompts = [SimpleNamespace(answer="a")]
+    prompts = [SimpleNamespace(answer="a", extra={})]
     samples = [SimpleNamespace(response_ids=[1, 2, 3]), SimpleNamespace(response_ids=[4])]
     rewards, metrics, garbled = phases._score_on_engine_rank(run, prompts, samples)
     phases.assert_same_across_model_parallel((0.75, 1.5), parallel)

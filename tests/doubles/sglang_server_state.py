@@ -63,6 +63,7 @@ class ServerState:
         self.params = weights.build_params(_read_checkpoint(args.model_path), self.config, self.dtype)
         weights.load_weights(self.arch, self.params, _read_checkpoint(args.model_path).items())
         self.engine = _make_engine(self.config, args.random_seed)
+        self.engine.stop_tokenizer_source = args.model_path  # SGLang's tokenizer for stop strings
         self.engine_version = 0
         self.dirty = True
         self.weight_version = args.weight_version
@@ -156,7 +157,8 @@ class ServerState:
         sp = SamplingParams(temperature=p.get("temperature", 1.0), top_p=p.get("top_p", 1.0),
                             max_new_tokens=p.get("max_new_tokens", 128),
                             stop_token_ids=tuple(p.get("stop_token_ids") or ()),
-                            ignore_eos=p.get("ignore_eos", False), seed=seed)
+                            ignore_eos=p.get("ignore_eos", False), seed=seed,
+                            top_k=p.get("top_k", -1), min_p=p.get("min_p", 0.0), stop=tuple(p.get("stop") or ()))
         s = self.engine.generate([prompt], sp)[0]
         reason = ({"type": "stop", "matched": s.response_ids[-1]} if s.finish_reason == "stop"
                   else {"type": "length", "length": len(s.response_ids)})

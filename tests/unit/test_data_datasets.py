@@ -38,19 +38,21 @@ def test_jsonl_bad_rows_skipped_and_counted(tmp_path, tok, caplog):
         json.dumps([1, 2]),  # line 7: not an object
         "",  # line 8: blank, ignored silently
         json.dumps({"prompt": "rev:34=", "answer": "43", "extra": 1}),  # line 9: good
-        json.dumps({"prompt": "rev:3=", "answer": ["3"]}),  # line 10: non-string answer
+        json.dumps({"prompt": "rev:3=", "answer": ["3"]}),  # line 10: a list answer, kept as JSON text
     ]
     path = _write_jsonl(tmp_path / "d.jsonl", lines)
     with caplog.at_level(logging.WARNING, logger="megatron_rl.data.datasets"):
         ds = PromptDataset.from_jsonl(path, tok, max_prompt_len=16)
-    assert len(ds) == 2 and ds.num_skipped == 7
+    assert len(ds) == 3 and ds.num_skipped == 6
     assert ds.skip_reasons == {
-        "bad_json": 1, "missing_field": 1, "not_string": 2, "empty": 1, "too_long": 1, "not_object": 1,
+        "bad_json": 1, "missing_field": 1, "not_string": 1, "empty": 1, "too_long": 1, "not_object": 1,
     }
-    assert [(it.prompt_text, it.answer, it.index) for it in ds] == [("sort:21=", "12", 0), ("rev:34=", "43", 1)]
+    assert [(it.prompt_text, it.answer, it.index) for it in ds] == [
+        ("sort:21=", "12", 0), ("rev:34=", "43", 1), ("rev:3=", '["3"]', 2)]
+    assert ds[1].extra == {"extra": 1} and ds[0].extra == {}
     assert ds[0].prompt_ids == [1] + _ids("sort:21=")
     text = caplog.text
-    for line_no, reason in [(2, "bad_json"), (3, "missing_field"), (4, "not_string"), (5, "empty"), (6, "too_long"), (7, "not_object"), (10, "not_string")]:
+    for line_no, reason in [(2, "bad_json"), (3, "missing_field"), (4, "not_string"), (5, "empty"), (6, "too_long"), (7, "not_object")]:
         assert f"{path}:{line_no}: skipped bad row ({reason})" in text
     assert f"{path}:8" not in text and f"{path}:1:" not in text
 
