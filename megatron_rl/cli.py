@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_eval_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="score a checkpoint on the config's eval.datasets (eval_results.json)")
+    ev = sub.add_parser("eval", help="score a checkpoint on the eval datasets")
     ev.add_argument("config", help="YAML config file with an eval section (docs/eval.md)")
     ev.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. eval.precision=both")
     ev.add_argument("--checkpoint", default="",
