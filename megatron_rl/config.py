@@ -244,6 +244,23 @@ class TrainConfig:
     offload the trainer's parameters, gradients and optimizer state to host memory while the engine
     works, in the order of megatron_rl/loop/colocated.py. On CPU it frees nothing that matters but runs
     the same order, so the CPU loop exercises it; false keeps both resident."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up from 0 to `lr` over this many trained RL steps (Megatron's
+    OptimizerParamScheduler; a step that trains with lr n / N * lr, so the first trains with 0, as
+    in Megatron and verl). 0 = off. The DAPO recipe warms up over 20 steps."""
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine: after the warm-up, lr stays, or decays to `min_lr` at
+    `lr_decay_steps` and stays there (Megatron's --lr-decay-style)."""
+    lr_decay_steps: int = 0
+    """Trained RL steps at which the decay reaches `min_lr` (warm-up included); 0 = train.num_steps."""
+    min_lr: float = 0.0
+    """Floor of the linear / cosine decay, in [0, lr] (Megatron's --min-lr, default 0)."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay (torch and Megatron default)."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay (torch and Megatron default; slime's RL baselines use 0.98)."""
+    adam_eps: float = 1e-8
+    """AdamW's denominator term (torch and Megatron default)."""
 
 
 @dataclass
@@ -316,6 +333,7 @@ _CHOICES = {
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "algo.tis_mode": ("truncate", "icepop"),
     "algo.kl_loss_type": ("k1", "k2", "k3"),
+    "train.lr_decay_style": ("constant", "linear", "cosine"),
     "calib.mode": ("two_sided", "lower_only"),
     "calib.balance": ("count", "abs_adv", "abs_adv_ratio"),
     "rollout.engine": ("torch", "sglang"),
@@ -431,7 +449,29 @@ def validate(cfg: RunConfig) -> RunConfig:
                              "servers load a block-FP8 checkpoint (rollout.sglang.model_path or the automatic one)")
     validate_parallel(cfg)
     _validate_calib(cfg)
+    _validate_optimizer(cfg.train)
     return cfg
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    """The learning-rate schedule and AdamW's constants (Megatron asserts on some of them)."""
+    for key in ("lr", "weight_decay"):
+        if getattr(t, key) < 0:
+            raise ValueError(f"config key 'train.{key}': must be >= 0, got {getattr(t, key)}")
+    if not 0.0 <= t.min_lr <= t.lr:
+        raise ValueError(f"config key 'train.min_lr': must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ValueError(f"config key 'train.{key}': must be in [0, 1), got {getattr(t, key)}")
+    if not t.adam_eps > 0:
+        raise ValueError(f"config key 'train.adam_eps': must be > 0, got {t.adam_eps}")
+    for key in ("lr_warmup_steps", "lr_decay_steps"):
+        if getattr(t, key) < 0:
+            raise ValueError(f"config key 'train.{key}': must be >= 0, got {getattr(t, key)}")
+    decay_steps = t.lr_decay_steps or t.num_steps
+    if t.lr_decay_style != "constant" and t.lr_warmup_steps >= decay_steps:
+        raise ValueError(f"config key 'train.lr_warmup_steps': {t.lr_warmup_steps} must be below the decay's "
+                         f"end, train.lr_decay_steps (0 = train.num_steps) = {decay_steps}")
 
 
 def _validate_token_budget(cfg: RunConfig) -> None:

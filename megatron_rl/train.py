@@ -89,11 +89,13 @@ def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, floa
     t0 = time.perf_counter()
     rollout = phases.generate(run_, run_.loader.next_batch(), step)
     metrics = dict(rollout.metrics)
+    metrics["lr"] = run_.actor.lr  # what this step's updates use
     if rollout.batch is not None:
         metrics.update(memory.begin_training())  # colocated: engine out, trainer in
     batch = phases.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
     if batch is not None:
         metrics.update(phases.update_policy(run_, batch, step))
+        run_.actor.advance_lr_schedule()  # per trained step: a skipped step leaves the schedule
     if batch is not None or (rollout.batch is not None and memory.enabled):
         # A released engine lost its weights: even a skipped update pushes them again.
         metrics.update(memory.before_sync())

@@ -274,9 +274,14 @@ def build_actor(cfg: RunConfig, settings, parallel, model_dir: Path):
     from megatron_rl.actor.actor import MegatronActor
 
     log_actor_settings(cfg, settings, parallel)
+    from megatron_rl.actor.schedule import LRSchedule
+
     t = cfg.train
+    schedule = LRSchedule(warmup_steps=t.lr_warmup_steps, decay_style=t.lr_decay_style,
+                          decay_steps=t.lr_decay_steps or t.num_steps, min_lr=t.min_lr)
     actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
-                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed,
+                                weight_decay=t.weight_decay, adam_betas=(t.adam_beta1, t.adam_beta2),
+                                adam_eps=t.adam_eps, lr_schedule=schedule, clip_grad=t.clip_grad, seed=t.seed,
                                 load_weights=not cfg.model.megatron_ckpt, settings=settings)
     if cfg.model.megatron_ckpt:
         actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)

@@ -6,7 +6,7 @@ Layout::
       latest                    # text: the newest complete step, replaced atomically
       step_000010/
         model/                  # megatron.core.dist_checkpointing (torch_dist), any TP/PP/DP
-        rl_state.pt             # step, data position, clip controller, sync version, RNG per rank
+        rl_state.pt             # step, data position, clip controller, sync version, lr schedule, RNG per rank
         hf/                     # config.json + tokenizer: tools/convert_megatron_to_hf.py needs no flags
         ...
 
@@ -130,7 +130,8 @@ class Checkpointer:
     @staticmethod
     def _rl_state(run, step: int, rngs: list) -> dict:
         return {"step": step, "loader": run.loader.state_dict(), "rng": rngs,
-                "controller": run.controller.state_dict(), "sync_version": run.sync.version}
+                "controller": run.controller.state_dict(), "sync_version": run.sync.version,
+                "lr_scheduler": run.actor.scheduler.state_dict()}
 
     @staticmethod
     def _load_rl_state(folder: Path, parallel) -> dict:
@@ -160,6 +161,8 @@ class Checkpointer:
         run.actor.load_checkpoint(folder / "model")
         run.loader.load_state_dict(state["loader"])
         run.controller.load_state_dict(state["controller"])
+        if "lr_scheduler" in state:  # older checkpoints: the schedule restarts
+            run.actor.scheduler.load_state_dict(state["lr_scheduler"])
         _set_rng_state(state["rng"])
         run.sync.version = state["sync_version"] - 1  # the start-up sync re-publishes this version
         log.info("resumed from %s (step %d)", folder, step)
