@@ -44,24 +44,28 @@ def _generate_on_engine(run, prompts, step: int):
 
 
 def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
-    """Rewards [N] (+ DAPO overlong shaping), reward-runner error counts, and garbled [N] float32
+    """Task rewards [N] (unshaped), reward-runner error counts, and garbled [N] float32
     (1.0 where a response fails the built-in task's format check; None for a user dataset)."""
-    from megatron_rl.algo.advantages import overlong_penalty
-
     n = run.cfg.rollout.n_samples_per_prompt
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     answers = [prompts[i // n].answer for i in range(len(samples))]
     rewards, stats = run.rewards.score(texts, answers)
     rewards = torch.tensor(rewards, dtype=torch.float32)  # non-finite results: 0 and counted as errors
-    a = run.cfg.algo
-    if a.overlong_buffer_len > 0:
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
-        rewards = rewards + overlong_penalty(lengths, run.cfg.rollout.max_new_tokens,
-                                             a.overlong_buffer_len, a.overlong_penalty_factor)
     valid = None if run.cfg.data.path else get_task(run.cfg.data.task).valid_format
     garbled = None if valid is None else torch.tensor([float(not valid(t)) for t in texts])
     return rewards, {"reward/errors": float(stats["num_errors"]),
                      "reward/timeouts": float(stats["num_timeouts"])}, garbled
+
+
+def _overlong(run, samples) -> torch.Tensor:
+    """DAPO overlong shaping [N] float32 (<= 0; zeros when off), from the response lengths alone."""
+    from megatron_rl.algo.advantages import overlong_penalty
+
+    a, lengths = run.cfg.algo, torch.tensor([len(s.response_ids) for s in samples])
+    if a.overlong_buffer_len == 0:
+        return torch.zeros(len(samples))
+    return overlong_penalty(lengths, run.cfg.rollout.max_new_tokens, a.overlong_buffer_len,
+                            a.overlong_penalty_factor).float()
 
 
 def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
@@ -81,11 +85,14 @@ def generate(run, prompts, step: int) -> Rollout:
     samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
     samples = _broadcast_from_engine_rank(samples, run.parallel, run.host_groups)
     t_rollout = time.perf_counter() - t0
-    rewards, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
+    accuracy, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
+    penalty = _overlong(run, samples)
+    rewards = accuracy + penalty  # what the advantages use
     n = run.cfg.rollout.n_samples_per_prompt
     keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    means = {"reward/mean": rewards, "reward/sq": rewards**2, "response_length/mean": lengths,
+    means = {"reward/mean": rewards, "reward/sq": rewards**2, "reward/accuracy": accuracy,
+             "reward/overlong_penalty": penalty, "response_length/mean": lengths,
              "dynamic_sampling/kept_frac": keep.float()}
     if garbled is not None:  # every response of every DP rank, before dynamic sampling drops any
         means["health/garbled_rate"] = garbled

@@ -61,6 +61,11 @@ def test_fp8_calibrated_run(tmp_path, config):
                       "mismatch/token_mult_prob_error", "calib/low"))
     # H is finite, or +inf (logged as null) when no H attains the BF16 balance: no upper clip
     assert all(r["calib/high"] is not None or r["calib/high_unbounded"] == 1.0 for r in trained)
+    # reward/mean (what the advantages use) = the task's reward + the overlong shaping (DAPO only)
+    for r in records:
+        assert r["reward/mean"] == pytest.approx(r["reward/accuracy"] + r["reward/overlong_penalty"], abs=1e-6)
+    penalties = [r["reward/overlong_penalty"] for r in records]
+    assert all(p < 0 for p in penalties) if config.startswith("dapo") else penalties == [0.0] * 3
     # the engine advanced one version per trained step (version 1 = the start-up sync)
     assert trained[-1]["sync/version"] == 1 + len(trained)
     assert all(r["sync/check_mismatches"] == 0 for r in trained)
