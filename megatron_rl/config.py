@@ -131,6 +131,23 @@ class AlgoConfig:
     kl_loss_type: str = "k3"
     kl_loss_coef: float = 0.0
     entropy_coef: float = 0.0
+    kl_reward_coef: float = 0.0
+    """KL in the reward (verl's use_kl_in_reward / algorithm.kl_ctrl.kl_coef, slime's --kl-coef): each
+    response's reward loses kl_reward_coef x the sum over its tokens of the `kl_reward_type` estimate
+    between the old policy and the reference, before the advantages. 0 = off. Either coefficient
+    > 0 builds the reference model (docs/algo.md, Reference model)."""
+    kl_reward_type: str = "k1"
+    """k1 | k2 | k3: the per-token estimator of the reward penalty (verl's algorithm.kl_penalty,
+    default k1 = log pi_old - log pi_ref, the InstructGPT penalty)."""
+    ref_precision: str = "bf16"
+    """bf16 | train: the reference model's forward without FP8 (the BF16 path), or in the training
+    recipe (precision.train_recipe, as the old log-probs). bf16 by default: the reference is the
+    initial policy itself, not its FP8 approximation."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term (loss or reward) needs the frozen reference policy."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0
 
 
 @dataclass
@@ -334,6 +351,8 @@ _CHOICES = {
     "algo.tis_mode": ("truncate", "icepop"),
     "algo.kl_loss_type": ("k1", "k2", "k3"),
     "train.lr_decay_style": ("constant", "linear", "cosine"),
+    "algo.kl_reward_type": ("k1", "k2", "k3"),
+    "algo.ref_precision": ("bf16", "train"),
     "calib.mode": ("two_sided", "lower_only"),
     "calib.balance": ("count", "abs_adv", "abs_adv_ratio"),
     "rollout.engine": ("torch", "sglang"),
@@ -450,7 +469,26 @@ def validate(cfg: RunConfig) -> RunConfig:
     validate_parallel(cfg)
     _validate_calib(cfg)
     _validate_optimizer(cfg.train)
+    _validate_reference(cfg)
     return cfg
+
+
+def _validate_reference(cfg: RunConfig) -> None:
+    """KL coefficients, and the initial weights the reference model is built from (model.hf_dir,
+    model.megatron_ckpt, or the tiny built-in model) checked before any rollout."""
+    a, m = cfg.algo, cfg.model
+    for key in ("kl_loss_coef", "kl_reward_coef"):
+        value = getattr(a, key)
+        if not (value >= 0 and value < float("inf")):
+            raise ValueError(f"config key 'algo.{key}': must be finite and >= 0, got {value}")
+    if not a.needs_reference:
+        return
+    if m.hf_dir and not (Path(m.hf_dir) / "config.json").is_file():
+        raise ValueError(f"config key 'model.hf_dir': the reference model (algo.kl_loss_coef / kl_reward_coef > 0) "
+                         f"is built from the initial weights, and {m.hf_dir} holds no HF checkpoint (config.json)")
+    if m.megatron_ckpt and not Path(m.megatron_ckpt).is_dir():
+        raise ValueError(f"config key 'model.megatron_ckpt': the reference model is built from these initial "
+                         f"weights, and {m.megatron_ckpt} is not a folder")
 
 
 def _validate_optimizer(t: TrainConfig) -> None:

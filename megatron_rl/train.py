@@ -61,7 +61,7 @@ def run(cfg: RunConfig) -> dict[str, float]:
     # of the same servers would release them twice, and SGLang refuses a resume of what is not released.
     owned = run_.engine if run_.sync.transport is not None else None
     memory = ColocatedMemory(run_.actor, owned, enabled=cfg.train.colocated_protocol and is_colocated(cfg),
-                             barrier_after_sync=run_.sync.wait_for_owners)
+                             barrier_after_sync=run_.sync.wait_for_owners, reference=run_.ref)
     _ON_SIGTERM.extend([run_.rewards.close] + ([run_.engine.shutdown] if run_.engine is not None else []))
     metrics: dict[str, float] = {}
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
@@ -92,7 +92,7 @@ def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, floa
     metrics["lr"] = run_.actor.lr  # what this step's updates use
     if rollout.batch is not None:
         metrics.update(memory.begin_training())  # colocated: engine out, trainer in
-    batch = phases.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
+    batch = phases.prepare(run_, rollout.batch, step, metrics, memory)  # None: the step is skipped
     if batch is not None:
         metrics.update(phases.update_policy(run_, batch, step))
         run_.actor.advance_lr_schedule()  # per trained step: a skipped step leaves the schedule

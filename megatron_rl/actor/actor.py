@@ -62,7 +62,7 @@ class MegatronActor:
               adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
               lr_schedule: LRSchedule | None = None, clip_grad: float = 1.0, seed: int = 0, params_dtype: torch.dtype = torch.float32,
               use_te: bool | None = None, load_weights: bool = True,
-              settings: ResolvedSettings | None = None) -> "MegatronActor":
+              settings: ResolvedSettings | None = None, frozen: bool = False) -> "MegatronActor":
         """Build this rank's model stage and optimizer.
 
         Args:
@@ -75,6 +75,8 @@ class MegatronActor:
             settings: resolve_settings() of a run config (params dtype, layer spec, distributed
                 optimizer, SP, recompute); it overrides params_dtype and use_te. None: plain
                 settings (every scale feature off) from params_dtype and use_te.
+            frozen: forward only (a reference policy): no DDP wrapper, gradient buffers,
+                optimizer or schedule; parameters do not require grad; train_step refuses.
         """
         if clip_grad < 0 or not math.isfinite(clip_grad):
             raise ValueError(f"clip_grad={clip_grad} must be finite and >= 0")
@@ -86,14 +88,18 @@ class MegatronActor:
         te_fp8 = fp8_recipe if use_te and fp8_recipe is not None and fp8_recipe.enabled else None
         config = _build.build_transformer_config(spec, parallel, settings, te_fp8)
         model = [_build.build_model(spec, config, parallel, settings, fp8_recipe=fp8_recipe,
-                                    seed=seed)]
-        lr_schedule = lr_schedule or LRSchedule()
-        optimizer = _build.build_optimizer(model, settings, lr=lr, weight_decay=weight_decay,
-                                           adam_betas=adam_betas, adam_eps=adam_eps, min_lr=lr_schedule.min_lr)
-        _wire_schedule_hooks(config, model)
+                                    seed=seed, ddp=not frozen)]
+        lr_schedule, optimizer = lr_schedule or LRSchedule(), None
+        if frozen:
+            model[0].requires_grad_(False)
+        else:
+            optimizer = _build.build_optimizer(model, settings, lr=lr, weight_decay=weight_decay, adam_betas=adam_betas,
+                                               adam_eps=adam_eps, min_lr=lr_schedule.min_lr)
+            _wire_schedule_hooks(config, model)
         actor = cls(spec, parallel, model, optimizer, config, clip_grad=clip_grad,
                     fp8_recipe=fp8_recipe, use_te=use_te, settings=settings)
-        actor.scheduler = build_scheduler(optimizer, lr=lr, weight_decay=weight_decay, schedule=lr_schedule)
+        if not frozen:
+            actor.scheduler = build_scheduler(optimizer, lr=lr, weight_decay=weight_decay, schedule=lr_schedule)
         if is_dir and load_weights:
             actor.load_hf(spec_or_hf_dir)
         return actor
@@ -141,7 +147,7 @@ class MegatronActor:
     def _reload_main_params(self) -> None:
         """After writing model weights: the FP32 main params (BF16 mixed precision, distributed
         optimizer) are copies taken when the optimizer was built; refresh them from the model."""
-        if self.settings.bf16 or self.settings.use_distributed_optimizer:
+        if self.optimizer is not None and (self.settings.bf16 or self.settings.use_distributed_optimizer):
             self.optimizer.reload_model_params()
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -188,6 +194,8 @@ class MegatronActor:
         logprob_chunk_size > 0: log-probs / entropy of loss-mask tokens only, in chunks, recomputed
         in backward (0 elsewhere).
         """
+        if self.optimizer is None:
+            raise ValueError("train_step on a frozen actor (built with frozen=True: a reference policy)")
         self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
         step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn,

@@ -62,9 +62,10 @@ def scale_kwargs(spec: ModelSpec, parallel: ParallelInfo, settings: ResolvedSett
 
 
 def build_model(spec: ModelSpec, config, parallel: ParallelInfo, settings: ResolvedSettings, *,
-                fp8_recipe: Any = None, seed: int = 0) -> torch.nn.Module:
+                fp8_recipe: Any = None, seed: int = 0, ddp: bool = True) -> torch.nn.Module:
     """This PP stage's GPTModel (in Float16Module under bf16), wrapped in Megatron DDP (gradient
-    buffers in FP32, reduced over DP: all-reduce, or reduce-scatter with the distributed optimizer)."""
+    buffers in FP32, reduced over DP: all-reduce, or reduce-scatter with the distributed optimizer).
+    ddp=False: no wrapper and no gradient buffers (a forward-only model)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -81,6 +82,8 @@ def build_model(spec: ModelSpec, config, parallel: ParallelInfo, settings: Resol
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
+    if not ddp:
+        return model
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=settings.overlap_grad_reduce,
         overlap_param_gather=settings.overlap_param_gather,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -105,6 +106,8 @@ def generate(run, prompts, step: int) -> Rollout:
         return Rollout(None, metrics)
     advantages = _advantages(run, rewards)
     batch = collate(samples, advantages, run.tokenizer.pad_token_id)
+    if run.cfg.algo.kl_reward_coef > 0:
+        batch["rewards"] = rewards  # [B]: prepare subtracts the KL penalty and recomputes advantages
     metrics["step/skipped"] = 0.0
     return Rollout(_drop_groups(batch, keep, run.parallel.dp_size), metrics)
 
@@ -167,10 +170,11 @@ def _actor_batch(run, batch: Batch):
     return packed, 1, lambda values: unpack(values, index)
 
 
-def _logprobs(run, batch: Batch, fp8: bool = True) -> torch.Tensor:
+def _logprobs(run, batch: Batch, fp8: bool = True, model=None) -> torch.Tensor:
+    """Log-probs [B, S] of `model` (the actor by default), packed and chunked as the training pass."""
     actor_batch, mbs, restore = _actor_batch(run, batch)
-    out = run.actor.compute_logprobs(actor_batch, micro_batch_size=mbs, with_entropy=False, fp8=fp8,
-                                     logprob_chunk_size=run.cfg.train.logprob_chunk_size)
+    out = (model or run.actor).compute_logprobs(actor_batch, micro_batch_size=mbs, with_entropy=False, fp8=fp8,
+                                                logprob_chunk_size=run.cfg.train.logprob_chunk_size)
     return restore(out["logprobs"])
 
 
@@ -186,9 +190,11 @@ def _reduced_means(run, named: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: float(s / max(c, 1.0)) for k, (s, c) in zip(named, stacked.tolist())}
 
 
-def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> Batch | None:
-    """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's). The BF16 shadow's
-    old log-probs are computed in update_policy, on the calibration rows only.
+def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float], memory=None) -> Batch | None:
+    """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's), then the reference
+    model's (KL terms; once per step, on the device only for that pass when `memory`, the
+    colocated protocol, says so). The BF16 shadow's old log-probs are computed in update_policy,
+    on the calibration rows only.
 
     Returns None (the step is skipped: no update, no sync) when there is nothing to train on or
     when any old log-prob on a response token is NaN/Inf: never a silent wrong update.
@@ -201,6 +207,8 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> B
     else:
         batch["old_logprobs"] = _logprobs(run, batch)
     metrics["time/old_logprobs"] = time.perf_counter() - t0
+    if run.ref is not None:
+        _reference(run, batch, metrics, memory)
     bad = _count_nonfinite(run, batch)
     metrics["guard/nonfinite_logprobs"] = bad
     if bad:
@@ -210,9 +218,44 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> B
     return batch
 
 
+def _reference(run, batch: Batch, metrics: dict[str, float], memory) -> None:
+    """batch["ref_logprobs"] [B, S] from the frozen reference (algo.ref_precision), kl/ref_mean
+    (the kl_loss_type estimate of KL(pi_old || pi_ref) per response token), and with
+    algo.kl_reward_coef the reward penalty, which recomputes the advantages."""
+    from megatron_rl.algo.kl import kl_estimate
+
+    t0, a, mask = time.perf_counter(), run.cfg.algo, batch["loss_mask"]
+    with memory.reference_on_device() if memory is not None else contextlib.nullcontext():
+        batch["ref_logprobs"] = _logprobs(run, batch, fp8=a.ref_precision == "train", model=run.ref)
+    metrics["time/ref_logprobs"] = time.perf_counter() - t0
+    kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_loss_type) * mask
+    sums = run.parallel.dp_reducer()(torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64))
+    metrics["kl/ref_mean"] = float(sums[0] / max(float(sums[1]), 1.0))
+    if "rewards" in batch:
+        _kl_in_reward(run, batch, metrics)
+
+
+def _kl_in_reward(run, batch: Batch, metrics: dict[str, float]) -> None:
+    """verl's use_kl_in_reward for outcome rewards: reward_i - coef * sum_t KL_t (kl_reward_type,
+    old vs reference, response tokens), then the group advantages of those rewards. Rows that
+    dynamic sampling dropped (loss mask 0) keep advantage 0."""
+    from megatron_rl.algo.kl import kl_estimate
+
+    a, mask = run.cfg.algo, batch["loss_mask"]
+    kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_reward_type) * mask
+    penalty = a.kl_reward_coef * kl.sum(-1)
+    rewards = batch.pop("rewards") - penalty
+    kept = (mask.sum(-1) > 0).float()
+    batch["advantages"] = _advantages(run, rewards)[:, None] * mask * kept[:, None]
+    sums = run.parallel.dp_reducer()(torch.tensor([float((penalty * kept).sum()), float(kept.sum())],
+                                                  dtype=torch.float64))
+    metrics["kl/reward_penalty"] = float(sums[0] / max(float(sums[1]), 1.0))
+
+
 def _count_nonfinite(run, batch: Batch) -> float:
     on = batch["loss_mask"] > 0
-    bad = sum((~torch.isfinite(batch[k]) & on).sum() for k in ("old_logprobs", "old_logprobs_ref") if k in batch)
+    bad = sum((~torch.isfinite(batch[k]) & on).sum()
+              for k in ("old_logprobs", "old_logprobs_ref", "ref_logprobs") if k in batch)
     return _reduce_sum(run, float(bad))
 
 
@@ -339,6 +382,7 @@ def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: 
             rollout_logprobs=mb["rollout_logprobs"], use_tis=a.use_tis, tis_clip=a.tis_clip,
             tis_clip_low=a.tis_clip_low, tis_mode=a.tis_mode, icepop_low=a.icepop_low,
             icepop_high=a.icepop_high, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
+            ref_logprobs=mb.get("ref_logprobs"),
             entropy=entropy, entropy_coef=a.entropy_coef, ratio_ref=mb.get("ratio_ref"),
             ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
         if calibrating:

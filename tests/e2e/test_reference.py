@@ -1,0 +1,64 @@
+"""The reference model: KL-regularised GRPO on the tiny pipeline (KL in the loss and in the reward),
+one reference forward per step, KL 0 while the policy is the reference, a resume that rebuilds it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_rl.config import load_config
+from test_rl_loop import EXAMPLES, TINY, _initial_weights, run_tiny
+
+KL = ("algo.kl_loss_coef=0.05", "algo.kl_reward_coef=0.01", "train.lr=3e-3", "checkpoint.save_final=true")
+
+
+def test_kl_grpo_trains_with_one_reference_forward_per_step(tmp_path, monkeypatch):
+    from megatron_rl.actor.actor import MegatronActor
+
+    calls = []
+    real = MegatronActor.compute_logprobs
+
+    def counting(self, batch, **kw):
+        calls.append(self.optimizer is None)  # True: the frozen reference
+        return real(self, batch, **kw)
+
+    monkeypatch.setattr(MegatronActor, "compute_logprobs", counting)
+    records = run_tiny(tmp_path, "bf16.yaml", "train.num_steps=5", *KL)
+    assert [r["step/skipped"] for r in records] == [0.0] * 5
+    assert calls.count(True) == 5  # once per step, after the old log-probs
+    for r in records:
+        for key in ("kl/ref_mean", "kl_loss", "kl/reward_penalty", "loss", "pg_loss", "grad_norm", "entropy"):
+            assert r.get(key) is not None and math.isfinite(r[key]), (r["step"], key)
+        # token-mean: loss = pg_loss + kl_loss_coef * kl_loss (no entropy term)
+        assert r["loss"] - r["pg_loss"] == pytest.approx(0.05 * r["kl_loss"], rel=1e-4, abs=1e-9)
+    # step 0 samples from the initial weights: the old policy is the reference, bitwise (BF16 both)
+    assert records[0]["kl/ref_mean"] == 0.0 and records[0]["kl/reward_penalty"] == 0.0
+    assert all(r["kl/ref_mean"] > 0 for r in records[1:])  # k3 >= 0, > 0 once the policy moved
+    assert all(r["kl/reward_penalty"] != 0 for r in records[1:])
+
+    # a resume rebuilds the reference from the initial weights, not from the checkpoint
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl.loop import build
+
+    cfg = load_config(EXAMPLES / "bf16.yaml", [*TINY, f"log.dir={tmp_path / 'run'}", "train.num_steps=6",
+                                                "checkpoint.resume=true", *KL])
+    run_ = build.build_run(cfg)
+    try:
+        assert run_.resume_step() == 5
+        initial = _initial_weights(tmp_path)
+        ref, actor = dict(run_.ref.export_hf_weights()), dict(run_.actor.export_hf_weights())
+        assert all(torch.equal(ref[n], initial[n].to(ref[n].dtype)) for n in ref)
+        assert any(not torch.equal(actor[n], ref[n]) for n in ref)
+    finally:
+        run_.finish()
+        destroy_parallel()
+
+
+def test_a_reference_without_initial_weights_is_refused_at_load(tmp_path):
+    with pytest.raises(ValueError, match="model.hf_dir"):
+        load_config(None, ["algo.kl_loss_coef=0.01", f"model.hf_dir={tmp_path / 'missing'}"])
+    with pytest.raises(ValueError, match="algo.kl_reward_coef"):
+        load_config(None, ["algo.kl_reward_coef=-0.1"])
+    load_config(None, [f"model.hf_dir={tmp_path / 'missing'}"])  # no KL: no reference, no check here
