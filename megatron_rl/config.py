@@ -143,6 +143,15 @@ class AlgoConfig:
     """bf16 | train: the reference model's forward without FP8 (the BF16 path), or in the training
     recipe (precision.train_recipe, as the old log-probs). bf16 by default: the reference is the
     initial policy itself, not its FP8 approximation."""
+    max_gen_batches: int = 10
+    """DAPO refill (dynamic_sampling): sample further batches of data.prompts_per_step prompts until
+    that many informative groups are kept, at most this many batches per step (verl's
+    algorithm.filter_groups.max_num_gen_batches; 10 as its DAPO recipe: a step costs at most 10
+    rollouts). 0 = no limit; 1 = no refill (train on the kept part of one batch)."""
+    on_max_gen_batches: str = "train"
+    """train | fail: at the limit with fewer groups kept, train on those (logged: dapo/kept_fraction
+    < 1, a warning) or stop with an error (verl raises). train: one short batch late in a long run
+    is no reason to lose the run."""
 
     @property
     def needs_reference(self) -> bool:
@@ -353,6 +362,7 @@ _CHOICES = {
     "train.lr_decay_style": ("constant", "linear", "cosine"),
     "algo.kl_reward_type": ("k1", "k2", "k3"),
     "algo.ref_precision": ("bf16", "train"),
+    "algo.on_max_gen_batches": ("train", "fail"),
     "calib.mode": ("two_sided", "lower_only"),
     "calib.balance": ("count", "abs_adv", "abs_adv_ratio"),
     "rollout.engine": ("torch", "sglang"),
@@ -470,7 +480,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_calib(cfg)
     _validate_optimizer(cfg.train)
     _validate_reference(cfg)
+    _validate_refill(cfg.algo)
     return cfg
+
+
+def _validate_refill(a: AlgoConfig) -> None:
+    if a.max_gen_batches < 0:
+        raise ValueError(f"config key 'algo.max_gen_batches': must be >= 0 (0 = no limit), got {a.max_gen_batches}")
 
 
 def _validate_reference(cfg: RunConfig) -> None:

@@ -34,13 +34,13 @@ def _shard(prompts: list, parallel) -> list:
     return prompts[parallel.dp_rank * per_rank: (parallel.dp_rank + 1) * per_rank]
 
 
-def _generate_on_engine(run, prompts, step: int):
+def _generate_on_engine(run, prompts, step: int, salt: int):
     from megatron_rl.rollout.base import SamplingParams
 
     r = run.cfg.rollout
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               stop_token_ids=[run.tokenizer.eos_token_id], n=r.n_samples_per_prompt,
-                              seed=_step_seed(run.cfg.train.seed, step, run.parallel.dp_rank))
+                              seed=_step_seed(run.cfg.train.seed, step, salt))
     return run.engine.generate([p.prompt_ids for p in prompts], sampling)
 
 
@@ -77,51 +77,107 @@ def _advantages(run, rewards: torch.Tensor) -> torch.Tensor:
                            norm_by_std=est == "grpo", leave_one_out=est == "rloo")
 
 
-def generate(run, prompts, step: int) -> Rollout:
-    """Engine rank samples; its model-parallel peers receive the samples by broadcast."""
+@dataclass
+class _Round:
+    """One generation round of a step: this rank's samples, their rewards and the dynamic-sampling
+    decision; `counts` is every DP rank's number of kept groups [dp] (all-reduced)."""
+
+    samples: list
+    accuracy: torch.Tensor
+    penalty: torch.Tensor
+    keep: torch.Tensor
+    garbled: torch.Tensor | None
+    stats: dict[str, float]
+    counts: torch.Tensor
+    seconds: float
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        return self.accuracy + self.penalty  # what the advantages use
+
+
+def _sample_round(run, prompts, step: int, index: int) -> _Round:
+    """Engine rank samples its shard; its model-parallel peers receive the samples by broadcast."""
     from megatron_rl.algo.advantages import dynamic_sampling_keep
 
     t0 = time.perf_counter()
     prompts = _shard(prompts, run.parallel)
-    samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
+    salt = run.parallel.dp_rank + 1000 * index  # round 0: the seeds of a run without refill
+    samples = _generate_on_engine(run, prompts, step, salt) if run.is_engine_rank else None
     samples = _broadcast_from_engine_rank(samples, run.parallel, run.host_groups)
-    t_rollout = time.perf_counter() - t0
-    accuracy, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
+    seconds = time.perf_counter() - t0
+    accuracy, stats, garbled = _score_on_engine_rank(run, prompts, samples)
     penalty = _overlong(run, samples)
-    rewards = accuracy + penalty  # what the advantages use
-    n = run.cfg.rollout.n_samples_per_prompt
-    keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    means = {"reward/mean": rewards, "reward/sq": rewards**2, "reward/accuracy": accuracy,
-             "reward/overlong_penalty": penalty, "response_length/mean": lengths,
-             "dynamic_sampling/kept_frac": keep.float()}
-    if garbled is not None:  # every response of every DP rank, before dynamic sampling drops any
-        means["health/garbled_rate"] = garbled
-    metrics.update(_reduced_means(run, means))
-    metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
-    metrics["time/rollout"] = t_rollout
-    kept_total = _reduce_sum(run, float(keep.sum()))
-    if kept_total == 0:
+    n, a = run.cfg.rollout.n_samples_per_prompt, run.cfg.algo
+    keep = dynamic_sampling_keep(accuracy + penalty, n) if a.dynamic_sampling else torch.ones(len(samples), dtype=torch.bool)
+    counts = torch.zeros(run.parallel.dp_size, dtype=torch.float64)
+    counts[run.parallel.dp_rank] = float(keep.sum()) / n
+    counts = run.parallel.dp_reducer()(counts).round().long()
+    return _Round(samples, accuracy, penalty, keep, garbled, stats, counts, seconds)
+
+
+def generate(run, prompts, step: int) -> Rollout:
+    """Sample and score `prompts`; with DAPO dynamic sampling, further batches from the loader until
+    data.prompts_per_step informative groups are kept (loop/refill.py). Reward metrics are over
+    every response sampled; the batch holds the kept groups only."""
+    from megatron_rl.loop import refill
+
+    target = run.cfg.data.prompts_per_step
+    rounds = [_sample_round(run, prompts, step, 0)]
+    while refill.needs_more(run.cfg.algo, target, [r.counts for r in rounds], step):
+        rounds.append(_sample_round(run, run.loader.next_batch(), step, len(rounds)))
+    metrics = _rollout_metrics(run, rounds)
+    taken, most, kept_groups = refill.plan([r.counts for r in rounds], target, run.parallel.dp_rank)
+    if run.cfg.algo.dynamic_sampling:
+        metrics.update({"dapo/gen_batches": float(len(rounds)), "dapo/kept_groups": float(kept_groups),
+                        "dapo/kept_fraction": kept_groups / target})
+    if most == 0:
         metrics["step/skipped"] = 1.0
         return Rollout(None, metrics)
-    advantages = _advantages(run, rewards)
-    batch = collate(samples, advantages, run.tokenizer.pad_token_id)
-    if run.cfg.algo.kl_reward_coef > 0:
-        batch["rewards"] = rewards  # [B]: prepare subtracts the KL penalty and recomputes advantages
     metrics["step/skipped"] = 0.0
-    return Rollout(_drop_groups(batch, keep, run.parallel.dp_size), metrics)
+    return Rollout(_kept_batch(run, rounds, taken, most), metrics)
 
 
-def _drop_groups(batch: Batch, keep: torch.Tensor, dp_size: int) -> Batch:
-    """DAPO dynamic sampling. One rank: drop the rows. Several DP ranks: zero the dropped rows'
-    loss mask instead, so every rank keeps a non-empty batch for the collectives while the loss,
-    its denominator and the metrics see exactly the kept rows."""
-    if bool(keep.all()):
-        return batch
-    if dp_size == 1:
-        return {k: v[keep] for k, v in batch.items()}
-    batch["loss_mask"] = batch["loss_mask"] * keep[:, None]
-    batch["advantages"] = batch["advantages"] * keep[:, None]
+def _rollout_metrics(run, rounds: list[_Round]) -> dict[str, float]:
+    """Means over every response of every round and DP rank, before dynamic sampling drops any."""
+    cat = lambda name: torch.cat([getattr(r, name) for r in rounds])  # noqa: E731
+    rewards = torch.cat([r.rewards for r in rounds])
+    lengths = torch.tensor([len(s.response_ids) for r in rounds for s in r.samples], dtype=torch.float32)
+    means = {"reward/mean": rewards, "reward/sq": rewards**2, "reward/accuracy": cat("accuracy"),
+             "reward/overlong_penalty": cat("penalty"), "response_length/mean": lengths,
+             "dynamic_sampling/kept_frac": cat("keep").float()}
+    if rounds[0].garbled is not None:
+        means["health/garbled_rate"] = cat("garbled")
+    metrics = {k: sum(r.stats[k] for r in rounds) for k in rounds[0].stats}
+    metrics.update(_reduced_means(run, means))
+    metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
+    metrics["time/rollout"] = sum(r.seconds for r in rounds)
+    return metrics
+
+
+def _kept_batch(run, rounds: list[_Round], taken: list[int], most: int) -> Batch:
+    """The kept groups this rank trains (`taken` per round), then fully masked copies of its first
+    group up to `most` groups, so every DP rank holds as many rows (the collectives stay matched)
+    while the loss, its denominator and the metrics see exactly the kept rows."""
+    from megatron_rl.loop.refill import kept_rows
+
+    n = run.cfg.rollout.n_samples_per_prompt
+    samples, advantages, rewards = [], [], []
+    for r, take in zip(rounds, taken):
+        rows = kept_rows(r.keep, n, take)
+        samples += [r.samples[i] for i in rows.tolist()]
+        advantages.append(_advantages(run, r.rewards)[rows])
+        rewards.append(r.rewards[rows])
+    real = len(samples)
+    filler = most * n - real
+    samples += (rounds[0].samples[:n] * most)[:filler]
+    advantages.append(torch.zeros(filler))
+    rewards.append(torch.zeros(filler))
+    batch = collate(samples, torch.cat(advantages), run.tokenizer.pad_token_id)
+    batch["loss_mask"][real:] = 0.0
+    batch["advantages"][real:] = 0.0
+    if run.cfg.algo.kl_reward_coef > 0:
+        batch["rewards"] = torch.cat(rewards)  # [B]: prepare subtracts the KL penalty, recomputes advantages
     return batch
 
 
