@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.config import load_config
+from megatron_rl.telemetry.logger import read_jsonl
 from test_rl_loop import EXAMPLES, TINY, _initial_weights, run_tiny
 
 KL = ("algo.kl_loss_coef=0.05", "algo.kl_reward_coef=0.01", "train.lr=3e-3", "checkpoint.save_final=true")
@@ -62,3 +63,15 @@ def test_a_reference_without_initial_weights_is_refused_at_load(tmp_path):
     with pytest.raises(ValueError, match="algo.kl_reward_coef"):
         load_config(None, ["algo.kl_reward_coef=-0.1"])
     load_config(None, [f"model.hf_dir={tmp_path / 'missing'}"])  # no KL: no reference, no check here
+
+
+def test_ref_precision_train_matches_the_old_logprobs_and_bf16_does_not(tmp_path):
+    """FP8 recipe: the reference in the training recipe computes exactly the old log-probs at step 0
+    (same weights, same pass); in BF16 it differs from them by the FP8 error."""
+    one = ("train.num_steps=1", "algo.kl_loss_coef=0.01", "calib.period=100")
+    (train,) = run_tiny(tmp_path, "fp8_calibrated.yaml", *one, "algo.ref_precision=train")
+    # the same tiny-model cache (tmp_path), another log folder
+    run_tiny(tmp_path, "fp8_calibrated.yaml", *one, "algo.ref_precision=bf16", f"log.dir={tmp_path / 'b'}")
+    (bf16,) = read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    assert train["kl/ref_mean"] == 0.0
+    assert bf16["kl/ref_mean"] > 0.0
