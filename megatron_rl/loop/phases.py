@@ -140,8 +140,10 @@ def generate(run, prompts, step: int) -> Rollout:
 
 def _rollout_metrics(run, rounds: list[_Round]) -> dict[str, float]:
     """Means over every response of every round and DP rank, before dynamic sampling drops any."""
-    cat = lambda name: torch.cat([getattr(r, name) for r in rounds])  # noqa: E731
-    rewards = torch.cat([r.rewards for r in rounds])
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(r, name) for r in rounds])
+
+    rewards = cat("rewards")
     lengths = torch.tensor([len(s.response_ids) for r in rounds for s in r.samples], dtype=torch.float32)
     means = {"reward/mean": rewards, "reward/sq": rewards**2, "reward/accuracy": cat("accuracy"),
              "reward/overlong_penalty": cat("penalty"), "response_length/mean": lengths,
