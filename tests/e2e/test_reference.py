@@ -75,3 +75,36 @@ def test_ref_precision_train_matches_the_old_logprobs_and_bf16_does_not(tmp_path
     (bf16,) = read_jsonl(tmp_path / "b" / "metrics.jsonl")
     assert train["kl/ref_mean"] == 0.0
     assert bf16["kl/ref_mean"] > 0.0
+
+
+def test_kl_in_the_reward_shifts_each_response_by_its_summed_k1_before_grpo(tmp_path):
+    """verl's use_kl_in_reward, by hand: A = GRPO(reward - coef * sum_t (log pi_old - log pi_ref))."""
+    from loop_trace import _grpo
+
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl.loop import build, phases
+
+    coef = 0.5
+    cfg = load_config(EXAMPLES / "bf16.yaml", [*TINY, f"log.dir={tmp_path / 'run'}", f"algo.kl_reward_coef={coef}"])
+    run_ = build.build_run(cfg)
+    try:
+        run_.sync.sync()
+        batch = phases.generate(run_, run_.loader.next_batch(), 0).batch
+        rewards = batch["rewards"].tolist()
+        with torch.no_grad():  # move the policy away from the reference, so the penalty is not 0
+            for p in run_.actor.model[0].parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        metrics: dict = {}
+        batch = phases.prepare(run_, batch, 1, metrics)
+        mask = batch["loss_mask"]
+        k1 = ((batch["old_logprobs"] - batch["ref_logprobs"]) * mask).sum(-1).tolist()
+        shaped = [r - coef * k for r, k in zip(rewards, k1)]
+        expected = _grpo(shaped, cfg.rollout.n_samples_per_prompt)
+        got = [float(batch["advantages"][i][mask[i] > 0][0]) for i in range(len(expected))]
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+        assert expected != pytest.approx(_grpo(rewards, cfg.rollout.n_samples_per_prompt), abs=1e-3)
+        assert metrics["kl/reward_penalty"] == pytest.approx(coef * sum(k1) / len(k1), rel=1e-5)
+        assert "rewards" not in batch
+    finally:
+        run_.finish()
+        destroy_parallel()
