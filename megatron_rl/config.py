@@ -153,6 +153,32 @@ class AlgoConfig:
     """Lower ratio bound of token_k1; None = 1 / rollout_rs_threshold (verl's one-value form)."""
     dro_beta: float = 1.0
     """DRO's quadratic penalty weight beta (Tinker's dro `beta`), loss_mode=dro only."""
+    kl_reward_coef: float = 0.0
+    """KL in the reward (verl's use_kl_in_reward / algorithm.kl_ctrl.kl_coef, slime's --kl-coef): each
+    response's reward loses kl_reward_coef x the sum over its tokens of the `kl_reward_type` estimate
+    between the old policy and the reference, before the advantages. 0 = off. Either coefficient
+    > 0 builds the reference model (docs/algo.md, Reference model)."""
+    kl_reward_type: str = "k1"
+    """k1 | k2 | k3: the per-token estimator of the reward penalty (verl's algorithm.kl_penalty,
+    default k1 = log pi_old - log pi_ref, the InstructGPT penalty)."""
+    ref_precision: str = "bf16"
+    """bf16 | train: the reference model's forward without FP8 (the BF16 path), or in the training
+    recipe (precision.train_recipe, as the old log-probs). bf16 by default: the reference is the
+    initial policy itself, not its FP8 approximation."""
+    max_gen_batches: int = 10
+    """DAPO refill (dynamic_sampling): sample further batches of data.prompts_per_step prompts until
+    that many informative groups are kept, at most this many batches per step (verl's
+    algorithm.filter_groups.max_num_gen_batches; 10 as its DAPO recipe: a step costs at most 10
+    rollouts). 0 = no limit; 1 = no refill (train on the kept part of one batch)."""
+    on_max_gen_batches: str = "train"
+    """train | fail: at the limit with fewer groups kept, train on those (logged: dapo/kept_fraction
+    < 1, a warning) or stop with an error (verl raises). train: one short batch late in a long run
+    is no reason to lose the run."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term (loss or reward) needs the frozen reference policy."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0
 
 
 @dataclass
@@ -313,6 +339,23 @@ class TrainConfig:
     offload the trainer's parameters, gradients and optimizer state to host memory while the engine
     works, in the order of megatron_rl/loop/colocated.py. On CPU it frees nothing that matters but runs
     the same order, so the CPU loop exercises it; false keeps both resident."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up from 0 to `lr` over this many trained RL steps (Megatron's
+    OptimizerParamScheduler; a step that trains with lr n / N * lr, so the first trains with 0, as
+    in Megatron and verl). 0 = off. The DAPO recipe warms up over 20 steps."""
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine: after the warm-up, lr stays, or decays to `min_lr` at
+    `lr_decay_steps` and stays there (Megatron's --lr-decay-style)."""
+    lr_decay_steps: int = 0
+    """Trained RL steps at which the decay reaches `min_lr` (warm-up included); 0 = train.num_steps."""
+    min_lr: float = 0.0
+    """Floor of the linear / cosine decay, in [0, lr] (Megatron's --min-lr, default 0)."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay (torch and Megatron default)."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay (torch and Megatron default; slime's RL baselines use 0.98)."""
+    adam_eps: float = 1e-8
+    """AdamW's denominator term (torch and Megatron default)."""
 
 
 @dataclass
@@ -467,6 +510,10 @@ _CHOICES = {
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "algo.tis_mode": ("truncate", "icepop"),
     "algo.kl_loss_type": ("k1", "k2", "k3"),
+    "train.lr_decay_style": ("constant", "linear", "cosine"),
+    "algo.kl_reward_type": ("k1", "k2", "k3"),
+    "algo.ref_precision": ("bf16", "train"),
+    "algo.on_max_gen_batches": ("train", "fail"),
     "calib.mode": ("two_sided", "lower_only"),
     "calib.balance": ("count", "abs_adv", "abs_adv_ratio"),
     "rollout.engine": ("torch", "sglang"),
@@ -606,6 +653,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     for key in ("keep_last", "save_hf_every"):
         if getattr(cfg.checkpoint, key) < 0:
             raise ValueError(f"config key 'checkpoint.{key}': must be >= 0, got {getattr(cfg.checkpoint, key)}")
+    _validate_optimizer(cfg.train)
+    _validate_reference(cfg)
+    _validate_refill(cfg.algo)
     return cfg
 
 
@@ -662,6 +712,50 @@ def _validate_reward(r: RewardConfig) -> None:
             get_reward_fn(r.name, batched=r.batched)
         except ValueError as err:
             raise ValueError(f"config key 'reward.name': {err}") from None
+
+
+def _validate_refill(a: AlgoConfig) -> None:
+    if a.max_gen_batches < 0:
+        raise ValueError(f"config key 'algo.max_gen_batches': must be >= 0 (0 = no limit), got {a.max_gen_batches}")
+
+
+def _validate_reference(cfg: RunConfig) -> None:
+    """KL coefficients, and the initial weights the reference model is built from (model.hf_dir,
+    model.megatron_ckpt, or the tiny built-in model) checked before any rollout."""
+    a, m = cfg.algo, cfg.model
+    for key in ("kl_loss_coef", "kl_reward_coef"):
+        value = getattr(a, key)
+        if not (value >= 0 and value < float("inf")):
+            raise ValueError(f"config key 'algo.{key}': must be finite and >= 0, got {value}")
+    if not a.needs_reference:
+        return
+    if m.hf_dir and not (Path(m.hf_dir) / "config.json").is_file():
+        raise ValueError(f"config key 'model.hf_dir': the reference model (algo.kl_loss_coef / kl_reward_coef > 0) "
+                         f"is built from the initial weights, and {m.hf_dir} holds no HF checkpoint (config.json)")
+    if m.megatron_ckpt and not Path(m.megatron_ckpt).is_dir():
+        raise ValueError(f"config key 'model.megatron_ckpt': the reference model is built from these initial "
+                         f"weights, and {m.megatron_ckpt} is not a folder")
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    """The learning-rate schedule and AdamW's constants (Megatron asserts on some of them)."""
+    for key in ("lr", "weight_decay"):
+        if getattr(t, key) < 0:
+            raise ValueError(f"config key 'train.{key}': must be >= 0, got {getattr(t, key)}")
+    if not 0.0 <= t.min_lr <= t.lr:
+        raise ValueError(f"config key 'train.min_lr': must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ValueError(f"config key 'train.{key}': must be in [0, 1), got {getattr(t, key)}")
+    if not t.adam_eps > 0:
+        raise ValueError(f"config key 'train.adam_eps': must be > 0, got {t.adam_eps}")
+    for key in ("lr_warmup_steps", "lr_decay_steps"):
+        if getattr(t, key) < 0:
+            raise ValueError(f"config key 'train.{key}': must be >= 0, got {getattr(t, key)}")
+    decay_steps = t.lr_decay_steps or t.num_steps
+    if t.lr_decay_style != "constant" and t.lr_warmup_steps >= decay_steps:
+        raise ValueError(f"config key 'train.lr_warmup_steps': {t.lr_warmup_steps} must be below the decay's "
+                         f"end, train.lr_decay_steps (0 = train.num_steps) = {decay_steps}")
 
 
 def _validate_token_budget(cfg: RunConfig) -> None:

@@ -63,7 +63,7 @@ def run(cfg: RunConfig) -> dict[str, float]:
     # of the same servers would release them twice, and SGLang refuses a resume of what is not released.
     owned = run_.engine if run_.sync.transport is not None else None
     memory = ColocatedMemory(run_.actor, owned, enabled=cfg.train.colocated_protocol and is_colocated(cfg),
-                             barrier_after_sync=run_.sync.wait_for_owners)
+                             barrier_after_sync=run_.sync.wait_for_owners, reference=run_.ref)
     _ON_SIGTERM.extend([run_.rewards.close] + ([run_.engine.shutdown] if run_.engine is not None else []))
     metrics: dict[str, float] = {}
     evaluator = best = None
@@ -118,11 +118,13 @@ def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, floa
     t0 = time.perf_counter()
     rollout = phases.generate(run_, run_.loader.next_batch(), step)
     metrics = dict(rollout.metrics)
+    metrics["lr"] = run_.actor.lr  # what this step's updates use
     if rollout.batch is not None:
         metrics.update(memory.begin_training())  # colocated: engine out, trainer in
-    batch = phases.prepare(run_, rollout.batch, step, metrics)  # None: the step is skipped
+    batch = phases.prepare(run_, rollout.batch, step, metrics, memory)  # None: the step is skipped
     if batch is not None:
         metrics.update(phases.update_policy(run_, batch, step))
+        run_.actor.advance_lr_schedule()  # per trained step: a skipped step leaves the schedule
     if batch is not None or (rollout.batch is not None and memory.enabled):
         # A released engine lost its weights: even a skipped update pushes them again.
         metrics.update(memory.before_sync())

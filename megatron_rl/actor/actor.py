@@ -25,6 +25,7 @@ from megatron_rl.actor.batch import split_micro_batches, validate_batch
 from megatron_rl.actor.forward import LossFn, compute_device, make_forward_step, unwrap_model
 from megatron_rl.actor.offload import StorageOffloader
 from megatron_rl.actor.parallel import ParallelInfo
+from megatron_rl.actor.schedule import LRSchedule, build_scheduler
 from megatron_rl.actor.settings import ResolvedSettings, plain_settings
 from megatron_rl.models.hf_checkpoint import HFCheckpoint
 from megatron_rl.models.hf_config import ModelSpec
@@ -52,25 +53,30 @@ class MegatronActor:
         self.layer_offset = _layer_offset(config, parallel)
         self._params = weights.global_params(model, self.layer_offset)
         self._offloader = StorageOffloader()
+        self.scheduler = None
+        """Megatron's OptimizerParamScheduler, set by build(): lr and weight decay per param group."""
 
     @classmethod
     def build(cls, spec_or_hf_dir: ModelSpec | str | Path, *, parallel: ParallelInfo,
               fp8_recipe: Any = None, lr: float = 1e-5, weight_decay: float = 0.0,
-              adam_betas: tuple[float, float] = (0.9, 0.999), clip_grad: float = 1.0,
-              seed: int = 0, params_dtype: torch.dtype = torch.float32,
+              adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+              lr_schedule: LRSchedule | None = None, clip_grad: float = 1.0, seed: int = 0, params_dtype: torch.dtype = torch.float32,
               use_te: bool | None = None, load_weights: bool = True,
-              settings: ResolvedSettings | None = None) -> "MegatronActor":
+              settings: ResolvedSettings | None = None, frozen: bool = False) -> "MegatronActor":
         """Build this rank's model stage and optimizer.
 
         Args:
             spec_or_hf_dir: a ModelSpec (random init from `seed`), or a HF folder: its config, and
                 its safetensors weights unless load_weights=False.
             parallel: from init_parallel().
+            lr_schedule: warm-up and decay of `lr` (None: constant); advance_lr_schedule() steps it.
             clip_grad: max global grad norm (0 disables clipping; the norm is still reported).
             use_te: force the TE / local layer spec (default: TE when it imports and CUDA is on).
             settings: resolve_settings() of a run config (params dtype, layer spec, distributed
                 optimizer, SP, recompute); it overrides params_dtype and use_te. None: plain
                 settings (every scale feature off) from params_dtype and use_te.
+            frozen: forward only (a reference policy): no DDP wrapper, gradient buffers,
+                optimizer or schedule; parameters do not require grad; train_step refuses.
         """
         if clip_grad < 0 or not math.isfinite(clip_grad):
             raise ValueError(f"clip_grad={clip_grad} must be finite and >= 0")
@@ -82,12 +88,18 @@ class MegatronActor:
         te_fp8 = fp8_recipe if use_te and fp8_recipe is not None and fp8_recipe.enabled else None
         config = _build.build_transformer_config(spec, parallel, settings, te_fp8)
         model = [_build.build_model(spec, config, parallel, settings, fp8_recipe=fp8_recipe,
-                                    seed=seed)]
-        optimizer = _build.build_optimizer(model, settings, lr=lr, weight_decay=weight_decay,
-                                           adam_betas=adam_betas)
-        _wire_schedule_hooks(config, model)
+                                    seed=seed, ddp=not frozen)]
+        lr_schedule, optimizer = lr_schedule or LRSchedule(), None
+        if frozen:
+            model[0].requires_grad_(False)
+        else:
+            optimizer = _build.build_optimizer(model, settings, lr=lr, weight_decay=weight_decay, adam_betas=adam_betas,
+                                               adam_eps=adam_eps, min_lr=lr_schedule.min_lr)
+            _wire_schedule_hooks(config, model)
         actor = cls(spec, parallel, model, optimizer, config, clip_grad=clip_grad,
                     fp8_recipe=fp8_recipe, use_te=use_te, settings=settings)
+        if not frozen:
+            actor.scheduler = build_scheduler(optimizer, lr=lr, weight_decay=weight_decay, schedule=lr_schedule)
         if is_dir and load_weights:
             actor.load_hf(spec_or_hf_dir)
         return actor
@@ -135,7 +147,7 @@ class MegatronActor:
     def _reload_main_params(self) -> None:
         """After writing model weights: the FP32 main params (BF16 mixed precision, distributed
         optimizer) are copies taken when the optimizer was built; refresh them from the model."""
-        if self.settings.bf16 or self.settings.use_distributed_optimizer:
+        if self.optimizer is not None and (self.settings.bf16 or self.settings.use_distributed_optimizer):
             self.optimizer.reload_model_params()
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -182,6 +194,8 @@ class MegatronActor:
         logprob_chunk_size > 0: log-probs / entropy of loss-mask tokens only, in chunks, recomputed
         in backward (0 elsewhere).
         """
+        if self.optimizer is None:
+            raise ValueError("train_step on a frozen actor (built with frozen=True: a reference policy)")
         self._validate(batch, micro_batch_size)
         micro_batches = split_micro_batches(batch, micro_batch_size)
         step = make_forward_step(self.inv_freq, self.parallel.tp_group, loss_fn,
@@ -293,6 +307,11 @@ class MegatronActor:
 
     def set_lr(self, lr: float) -> None:
         _build.set_lr(self.optimizer, lr)
+
+    def advance_lr_schedule(self) -> float:
+        """One step of the learning-rate schedule (Megatron's OptimizerParamScheduler); the new lr."""
+        self.scheduler.step(increment=1)
+        return self.lr
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         """Model + optimizer sharded state dict for megatron.core.dist_checkpointing.

@@ -62,9 +62,10 @@ def scale_kwargs(spec: ModelSpec, parallel: ParallelInfo, settings: ResolvedSett
 
 
 def build_model(spec: ModelSpec, config, parallel: ParallelInfo, settings: ResolvedSettings, *,
-                fp8_recipe: Any = None, seed: int = 0) -> torch.nn.Module:
+                fp8_recipe: Any = None, seed: int = 0, ddp: bool = True) -> torch.nn.Module:
     """This PP stage's GPTModel (in Float16Module under bf16), wrapped in Megatron DDP (gradient
-    buffers in FP32, reduced over DP: all-reduce, or reduce-scatter with the distributed optimizer)."""
+    buffers in FP32, reduced over DP: all-reduce, or reduce-scatter with the distributed optimizer).
+    ddp=False: no wrapper and no gradient buffers (a forward-only model)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -81,6 +82,8 @@ def build_model(spec: ModelSpec, config, parallel: ParallelInfo, settings: Resol
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
+    if not ddp:
+        return model
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=settings.overlap_grad_reduce,
         overlap_param_gather=settings.overlap_param_gather,
@@ -89,18 +92,22 @@ def build_model(spec: ModelSpec, config, parallel: ParallelInfo, settings: Resol
 
 
 def build_optimizer(model_chunks: list[torch.nn.Module], settings: ResolvedSettings, *, lr: float,
-                    weight_decay: float, adam_betas: tuple[float, float]):
+                    weight_decay: float, adam_betas: tuple[float, float], adam_eps: float = 1e-8,
+                    min_lr: float | None = None):
     """Megatron's optimizer over the DDP chunks (Adam = torch AdamW without TE/apex): FP32Optimizer,
     or under bf16 the mixed-precision one (FP32 main params), or the distributed optimizer.
 
     clip_grad stays 0 here: the actor clips after its own finite-norm check (actor._step).
+    min_lr (None: lr) lands in every param group, where the scheduler reads it (actor/schedule.py).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    if lr < 0 or weight_decay < 0:
-        raise ValueError(f"lr={lr} and weight_decay={weight_decay} must be >= 0")
-    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay,
-                             adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], bf16=settings.bf16,
+    min_lr = lr if min_lr is None else min_lr
+    if lr < 0 or weight_decay < 0 or not 0 <= min_lr <= lr:
+        raise ValueError(f"lr={lr}, weight_decay={weight_decay} must be >= 0 and min_lr={min_lr} in [0, lr]")
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay,
+                             adam_beta1=adam_betas[0], adam_beta2=adam_betas[1], adam_eps=adam_eps,
+                             bf16=settings.bf16,
                              params_dtype=PARAMS_DTYPES[settings.params_dtype], clip_grad=0.0,
                              use_distributed_optimizer=settings.use_distributed_optimizer,
                              overlap_param_gather=settings.overlap_param_gather)

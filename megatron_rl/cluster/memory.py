@@ -121,6 +121,9 @@ def trainer_memory(cfg: RunConfig, spec: ModelSpec, dp: int, cuda: bool = True) 
         # TE keeps FP8 row- and column-wise copies of every linear weight (+ scales, ignored).
         "fp8_weight_cache": 2.0 * linear if fp8 else 0.0,
         "cuda_context": CUDA_CONTEXT_GB * GB if cuda else 0.0,
+        # The frozen reference policy (KL terms): weights only, sharded like the actor; counted in
+        # full although the colocated protocol keeps it on the host outside its forward.
+        "reference": params * s.bytes_per_param * cfg.algo.needs_reference,
     }
 
 

@@ -37,6 +37,8 @@ class Run:
     reward_stats: dict[str, float] = field(default_factory=dict)
     host_groups: Any = None
     """collectives.HostGroups: gloo twins of the model-parallel / data-parallel groups for long waits."""
+    ref: Any = None
+    """The frozen reference policy (a MegatronActor built with frozen=True) when a KL term needs it."""
 
     @property
     def is_engine_rank(self) -> bool:
@@ -334,13 +336,37 @@ def build_actor(cfg: RunConfig, settings, parallel, model_dir: Path):
     from megatron_rl.actor.actor import MegatronActor
 
     log_actor_settings(cfg, settings, parallel)
+    from megatron_rl.actor.schedule import LRSchedule
+
     t = cfg.train
+    schedule = LRSchedule(warmup_steps=t.lr_warmup_steps, decay_style=t.lr_decay_style,
+                          decay_steps=t.lr_decay_steps or t.num_steps, min_lr=t.min_lr)
     actor = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=build_fp8_recipe(cfg), lr=t.lr,
-                                weight_decay=t.weight_decay, clip_grad=t.clip_grad, seed=t.seed,
+                                weight_decay=t.weight_decay, adam_betas=(t.adam_beta1, t.adam_beta2),
+                                adam_eps=t.adam_eps, lr_schedule=schedule, clip_grad=t.clip_grad, seed=t.seed,
                                 load_weights=not cfg.model.megatron_ckpt, settings=settings)
     if cfg.model.megatron_ckpt:
         actor.load_checkpoint(cfg.model.megatron_ckpt, model_only=True)
     return actor
+
+
+def build_reference(cfg: RunConfig, settings, parallel, model_dir: Path):
+    """The frozen reference policy, or None when no KL term needs it: the run's initial weights
+    (model_dir's safetensors or model.megatron_ckpt, the planted outliers included), sharded like
+    the actor (same TP / PP). Never from a resumed checkpoint: a resume rebuilds the same one."""
+    from megatron_rl.actor.actor import MegatronActor
+
+    a, m = cfg.algo, cfg.model
+    if not a.needs_reference:
+        return None
+    recipe = build_fp8_recipe(cfg) if a.ref_precision == "train" else None  # bf16: no FP8 layers at all
+    ref = MegatronActor.build(model_dir, parallel=parallel, fp8_recipe=recipe, seed=cfg.train.seed,
+                              load_weights=not m.megatron_ckpt, settings=settings, frozen=True)
+    if m.megatron_ckpt:
+        ref.load_checkpoint(m.megatron_ckpt, model_only=True)
+    if m.outlier_channels:  # the actor's are planted on a fresh start; same seed, same channels
+        ref.plant_outliers(m.outlier_channels, m.outlier_scale, seed=cfg.train.seed)
+    return ref
 
 
 def build_run(cfg: RunConfig) -> Run:
@@ -363,6 +389,7 @@ def build_run(cfg: RunConfig) -> Run:
     t = cfg.train
     with megatron_quiet():
         actor = build_actor(cfg, settings, parallel, model_dir)
+        ref = build_reference(cfg, settings, parallel, model_dir)
     # Every rank, in the same order, before the owners go off to start servers (minutes).
     host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks)
     engine, transport, placement = build_rollout(cfg, model_dir, parallel)
@@ -380,4 +407,4 @@ def build_run(cfg: RunConfig) -> Run:
     if parallel.rank == 0:
         save_config(cfg, Path(cfg.log.dir) / "config.yaml")
     return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),
-               build_controller(cfg), logger, checkpointer, host_groups=host_groups)
+               build_controller(cfg), logger, checkpointer, host_groups=host_groups, ref=ref)

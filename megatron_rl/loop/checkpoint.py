@@ -7,7 +7,7 @@ Layout::
       best, best.json           # checkpoint.keep_best: the best-scoring checkpointed step, its score (loop/best.py)
       step_000010/
         model/                  # megatron.core.dist_checkpointing (torch_dist), any TP/PP/DP
-        rl_state.pt             # step, data position, clip controller, sync version, RNG per rank
+        rl_state.pt             # step, data position, clip controller, sync version, lr schedule, RNG per rank
         hf/                     # config.json + tokenizer: tools/convert_megatron_to_hf.py needs no flags
         ...
 
@@ -176,7 +176,8 @@ class Checkpointer:
     @staticmethod
     def _rl_state(run, step: int, rngs: list) -> dict:
         return {"step": step, "loader": run.loader.state_dict(), "rng": rngs,
-                "controller": run.controller.state_dict(), "sync_version": run.sync.version}
+                "controller": run.controller.state_dict(), "sync_version": run.sync.version,
+                "lr_scheduler": run.actor.scheduler.state_dict()}
 
     @staticmethod
     def _load_rl_state(folder: Path, parallel) -> dict:
@@ -206,6 +207,8 @@ class Checkpointer:
         run.actor.load_checkpoint(folder / "model")
         run.loader.load_state_dict(state["loader"])
         run.controller.load_state_dict(state["controller"])
+        if "lr_scheduler" in state:  # older checkpoints: the schedule restarts
+            run.actor.scheduler.load_state_dict(state["lr_scheduler"])
         _set_rng_state(state["rng"])
         run.sync.version = state["sync_version"] - 1  # the start-up sync re-publishes this version
         log.info("resumed from %s (step %d)", folder, step)

@@ -4,7 +4,8 @@ One RL step, as train.py runs it (design.md section 10; slime's train.py orders 
 
     rollout = generate(...)      # engine: weights + KV cache; trainer: offloaded
     memory.begin_training()      # engine.release_memory(); trainer.reload()
-    ...                          # old log-probs, BF16 shadow, PPO updates
+    ...                          # old log-probs; reference_on_device(): reference log-probs;
+                                 # BF16 shadow, PPO updates
     memory.before_sync()         # trainer.offload(grads, optimizer); engine.resume_memory(weights)
     sync.sync()                  # trainer parameters -> engine weights
     memory.after_sync()          # trainer.offload(params); engine.resume_memory(kv_cache)
@@ -29,7 +30,8 @@ GB = 1024**3
 class ColocatedMemory:
     """Owns the order of release / offload / resume calls; tracks who holds the device."""
 
-    def __init__(self, actor, engine, enabled: bool, barrier_after_sync: bool = False) -> None:
+    def __init__(self, actor, engine, enabled: bool, barrier_after_sync: bool = False,
+                 reference=None) -> None:
         self.actor = actor
         self.engine = engine
         self.enabled = enabled
@@ -38,6 +40,23 @@ class ColocatedMemory:
         the owner has resumed the KV cache: generating earlier is refused by SGLang."""
         self._engine_released = False
         self._trainer_offloaded = False
+        self.reference = reference
+        """The frozen reference policy (KL): on the host except inside reference_on_device()."""
+        if enabled and reference is not None:
+            reference.offload(("params",))  # before the engine starts sampling
+
+    @contextlib.contextmanager
+    def reference_on_device(self):
+        """The reference's parameters on the device for its forward (after the old log-probs), then
+        back to pinned host memory: it never shares the device with the PPO updates or the engine."""
+        if not self.enabled or self.reference is None:
+            yield
+            return
+        self.reference.reload()
+        try:
+            yield
+        finally:
+            self.reference.offload(("params",))
 
     def begin_training(self) -> dict[str, float]:
         """Engine out, trainer in (before the old log-probs)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -33,24 +34,23 @@ def _shard(prompts: list, parallel) -> list:
     return prompts[parallel.dp_rank * per_rank: (parallel.dp_rank + 1) * per_rank]
 
 
-def _generate_on_engine(run, prompts, step: int):
+def _generate_on_engine(run, prompts, step: int, salt: int):
     from megatron_rl.rollout.base import SamplingParams
 
     r = run.cfg.rollout
     seed = run.cfg.train.seed if r.seed is None else r.seed
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                               stop_token_ids=[run.tokenizer.eos_token_id, *r.stop_token_ids],
-                              n=r.n_samples_per_prompt, seed=_step_seed(seed, step, run.parallel.dp_rank),
+                              n=r.n_samples_per_prompt, seed=_step_seed(seed, step, salt),
                               top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop))
     return run.engine.generate([p.prompt_ids for p in prompts], sampling)
 
 
 def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
-    """Rewards [N] (+ DAPO overlong shaping), reward-runner error counts, and garbled [N] float32
-    (1.0 where a response fails the built-in task's format check; None for a user dataset).
-    The reward's named components ride in the metrics as "reward/<name>" -> [N] float32 lists
-    (`generate` averages them over the global batch)."""
-    from megatron_rl.algo.advantages import overlong_penalty
+    """Task rewards [N] (unshaped: the overlong shaping is `_overlong`'s), reward-runner error counts,
+    and garbled [N] float32 (1.0 where a response fails the built-in task's format check; None for a
+    user dataset). The reward's named components ride in the metrics as "reward/<name>" -> [N]
+    float32 lists (`generate` averages them over the global batch)."""
     from megatron_rl.rollout.base import trim_at_stop
 
     n = run.cfg.rollout.n_samples_per_prompt
@@ -61,11 +61,6 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
     extras = [prompts[i // n].extra for i in range(len(samples))]
     rewards, stats = run.rewards.score(texts, answers, extras=extras)
     rewards = torch.tensor(rewards, dtype=torch.float32)  # non-finite results: 0 and counted as errors
-    a = run.cfg.algo
-    if a.overlong_buffer_len > 0:
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
-        rewards = rewards + overlong_penalty(lengths, run.cfg.rollout.max_new_tokens,
-                                             a.overlong_buffer_len, a.overlong_penalty_factor)
     valid = None if run.cfg.data.path else get_task(run.cfg.data.task).valid_format
     garbled = None if valid is None else torch.tensor([float(not valid(t)) for t in texts])
     metrics = {"reward/errors": float(stats["num_errors"]), "reward/timeouts": float(stats["num_timeouts"])}
@@ -74,7 +69,18 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
 
 
 # The loop's own reward/* metrics: a reward component of the same name is logged as reward/fn_<name>.
-RESERVED_REWARD_KEYS = ("mean", "std", "sq", "errors", "timeouts")
+RESERVED_REWARD_KEYS = ("mean", "std", "sq", "errors", "timeouts", "accuracy", "overlong_penalty")
+
+
+def _overlong(run, samples) -> torch.Tensor:
+    """DAPO overlong shaping [N] float32 (<= 0; zeros when off), from the response lengths alone."""
+    from megatron_rl.algo.advantages import overlong_penalty
+
+    a, lengths = run.cfg.algo, torch.tensor([len(s.response_ids) for s in samples])
+    if a.overlong_buffer_len == 0:
+        return torch.zeros(len(samples))
+    return overlong_penalty(lengths, run.cfg.rollout.max_new_tokens, a.overlong_buffer_len,
+                            a.overlong_penalty_factor).float()
 
 
 def _component_key(name: str) -> str:
@@ -110,72 +116,152 @@ def _advantages(run, rewards: torch.Tensor, token_counts: torch.Tensor) -> torch
     return grpo_advantages(rewards, n, norm_by_std=est == "grpo", leave_one_out=est == "rloo")
 
 
-def generate(run, prompts, step: int) -> Rollout:
-    """Engine rank samples; its model-parallel peers receive the samples by broadcast."""
+@dataclass
+class _Round:
+    """One generation round of a step: this rank's samples, their rewards and the dynamic-sampling
+    decision; `counts` is every DP rank's number of kept groups [dp] (all-reduced)."""
+
+    prompts: list
+    samples: list
+    accuracy: torch.Tensor
+    penalty: torch.Tensor
+    keep: torch.Tensor
+    garbled: torch.Tensor | None
+    stats: dict[str, float]
+    components: dict[str, list]
+    counts: torch.Tensor
+    seconds: float
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        return self.accuracy + self.penalty  # what the advantages use
+
+
+def _sample_round(run, prompts, step: int, index: int) -> _Round:
+    """Engine rank samples its shard; its model-parallel peers receive the samples by broadcast."""
     from megatron_rl.algo.advantages import dynamic_sampling_keep
 
     t0 = time.perf_counter()
     prompts = _shard(prompts, run.parallel)
-    samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
+    salt = run.parallel.dp_rank + 1000 * index  # round 0: the seeds of a run without refill
+    samples = _generate_on_engine(run, prompts, step, salt) if run.is_engine_rank else None
     samples = _broadcast_from_engine_rank(samples, run.parallel, run.host_groups)
-    t_rollout = time.perf_counter() - t0
-    rewards, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
-    n = run.cfg.rollout.n_samples_per_prompt
-    keep = dynamic_sampling_keep(rewards, n) if run.cfg.algo.dynamic_sampling else torch.ones_like(rewards, dtype=torch.bool)
-    length_means, metrics["response_length/max"] = _length_metrics(run, samples)
-    components = _component_means(run, metrics)
-    means = {"reward/mean": rewards, "reward/sq": rewards**2, **length_means,
-             "dynamic_sampling/kept_frac": keep.float(), **components}
-    if garbled is not None:  # every response of every DP rank, before dynamic sampling drops any
-        means["health/garbled_rate"] = garbled
-    metrics.update(_reduced_means(run, means))
-    metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
-    metrics["time/rollout"] = t_rollout
-    kept_total = _reduce_sum(run, float(keep.sum()))
-    if _dump_due(run, step):
-        _dump_samples(run, step, prompts, samples, rewards, components)
-    if kept_total == 0:
+    seconds = time.perf_counter() - t0
+    accuracy, stats, garbled = _score_on_engine_rank(run, prompts, samples)
+    components = {k: stats.pop(k) for k in [k for k, v in stats.items() if isinstance(v, list)]}
+    penalty = _overlong(run, samples)
+    n, a = run.cfg.rollout.n_samples_per_prompt, run.cfg.algo
+    keep = dynamic_sampling_keep(accuracy + penalty, n) if a.dynamic_sampling else torch.ones(len(samples), dtype=torch.bool)
+    counts = torch.zeros(run.parallel.dp_size, dtype=torch.float64)
+    counts[run.parallel.dp_rank] = float(keep.sum()) / n
+    counts = run.parallel.dp_reducer()(counts).round().long()
+    return _Round(prompts, samples, accuracy, penalty, keep, garbled, stats, components, counts, seconds)
+
+
+def generate(run, prompts, step: int) -> Rollout:
+    """Sample and score `prompts`; with DAPO dynamic sampling, further batches from the loader until
+    data.prompts_per_step informative groups are kept (loop/refill.py). Reward metrics are over
+    every response sampled; the batch holds the kept groups only."""
+    from megatron_rl.loop import refill
+
+    target = run.cfg.data.prompts_per_step
+    rounds = [_sample_round(run, prompts, step, 0)]
+    while refill.needs_more(run.cfg.algo, target, [r.counts for r in rounds], step):
+        rounds.append(_sample_round(run, run.loader.next_batch(), step, len(rounds)))
+    metrics = _rollout_metrics(run, rounds)
+    if _dump_step(run, step):
+        _dump_samples(run, step, rounds[0])
+    taken, most, kept_groups = refill.plan([r.counts for r in rounds], target, run.parallel.dp_rank)
+    if run.cfg.algo.dynamic_sampling:
+        metrics.update({"dapo/gen_batches": float(len(rounds)), "dapo/kept_groups": float(kept_groups),
+                        "dapo/kept_fraction": kept_groups / target})
+    if most == 0:
         metrics["step/skipped"] = 1.0
         return Rollout(None, metrics)
-    advantages = _advantages(run, rewards, lengths * keep)
-    batch = collate(samples, advantages, run.tokenizer.pad_token_id)
     metrics["step/skipped"] = 0.0
-    return Rollout(_drop_groups(batch, keep, run.parallel.dp_size), metrics)
+    return Rollout(_kept_batch(run, rounds, taken, most), metrics)
 
 
-def _dump_due(run, step: int) -> bool:
+def _dump_step(run, step: int) -> bool:
+    """The same answer on every rank (the dump's advantages may need a DP collective)."""
     every = run.cfg.log.dump_samples_every
-    return bool(every) and step % every == 0 and run.is_log_rank
+    return bool(every) and step % every == 0
 
 
-def _dump_samples(run, step: int, prompts, samples, rewards: torch.Tensor, components: dict) -> None:
-    """log.dump_samples_num samples of this rank (the log rank: its data-parallel shard) as the
-    reward saw them (text cut at a stop string), with the advantage the trainer gets."""
+def _dump_samples(run, step: int, first: "_Round") -> None:
+    """log.dump_samples_num samples of the first round on the log rank (its data-parallel shard) as
+    the reward saw them (text cut at a stop string), with the advantages of that round. Called on
+    every rank: REINFORCE++'s advantages all-reduce over DP."""
     from megatron_rl.rollout.base import trim_at_stop
     from megatron_rl.telemetry.samples import sample_records, write_samples
 
+    lengths = torch.tensor([len(s.response_ids) for s in first.samples], dtype=torch.float32)
+    advantages = _advantages(run, first.rewards, lengths * first.keep)
+    if not run.is_log_rank:
+        return
+    prompts, samples = first.prompts, first.samples
     n, stop = run.cfg.rollout.n_samples_per_prompt, run.cfg.rollout.stop
     texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     records = sample_records(
         prompts=[prompts[s.prompt_index].prompt_text for s in samples],
-        responses=[trim_at_stop(t, stop) for t in texts], rewards=rewards.tolist(),
-        advantages=_advantages(run, rewards).tolist(), lengths=[len(s.response_ids) for s in samples],
+        responses=[trim_at_stop(t, stop) for t in texts], rewards=first.rewards.tolist(),
+        advantages=advantages.tolist(), lengths=[len(s.response_ids) for s in samples],
         finish_reasons=[s.finish_reason for s in samples], answers=[prompts[i // n].answer for i in range(len(samples))],
-        components={k.removeprefix("reward/"): v.tolist() for k, v in components.items()},
+        components={k.removeprefix("reward/"): list(v) for k, v in first.components.items()},
         limit=run.cfg.log.dump_samples_num)
     write_samples(run.cfg.log.dir, step, records)
 
 
-def _drop_groups(batch: Batch, keep: torch.Tensor, dp_size: int) -> Batch:
-    """DAPO dynamic sampling. One rank: drop the rows. Several DP ranks: zero the dropped rows'
-    loss mask instead, so every rank keeps a non-empty batch for the collectives while the loss,
-    its denominator and the metrics see exactly the kept rows."""
-    if bool(keep.all()):
-        return batch
-    if dp_size == 1:
-        return {k: v[keep] for k, v in batch.items()}
-    batch["loss_mask"] = batch["loss_mask"] * keep[:, None]
-    batch["advantages"] = batch["advantages"] * keep[:, None]
+def _rollout_metrics(run, rounds: list["_Round"]) -> dict[str, float]:
+    """Means over every response of every round and DP rank, before dynamic sampling drops any."""
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(r, name) for r in rounds])
+
+    rewards = cat("rewards")
+    length_means, longest = _length_metrics(run, [s for r in rounds for s in r.samples])
+    names = sorted({k for r in rounds for k in r.components})
+    listed = {k: [v for r in rounds for v in r.components.get(k, [0.0] * len(r.samples))] for k in names}
+    components = _component_means(run, listed)
+    means = {"reward/mean": rewards, "reward/sq": rewards**2, "reward/accuracy": cat("accuracy"),
+             "reward/overlong_penalty": cat("penalty"), **length_means,
+             "dynamic_sampling/kept_frac": cat("keep").float(), **components}
+    if rounds[0].garbled is not None:
+        means["health/garbled_rate"] = cat("garbled")
+    metrics = {k: sum(r.stats[k] for r in rounds) for k in rounds[0].stats}
+    metrics.update(_reduced_means(run, means))
+    metrics["reward/std"] = max(metrics.pop("reward/sq") - metrics["reward/mean"] ** 2, 0.0) ** 0.5
+    metrics["response_length/max"] = longest
+    metrics["time/rollout"] = sum(r.seconds for r in rounds)
+    return metrics
+
+
+def _kept_batch(run, rounds: list["_Round"], taken: list[int], most: int) -> Batch:
+    """The kept groups this rank trains (`taken` per round), then fully masked copies of its first
+    group up to `most` groups, so every DP rank holds as many rows (the collectives stay matched)
+    while the loss, its denominator and the metrics see exactly the kept rows. The advantages are
+    computed once over the kept rows of all rounds (whole groups; REINFORCE++ whitens over them)."""
+    from megatron_rl.loop.refill import kept_rows
+
+    n = run.cfg.rollout.n_samples_per_prompt
+    samples, rewards = [], []
+    for r, take in zip(rounds, taken):
+        rows = kept_rows(r.keep, n, take)
+        samples += [r.samples[i] for i in rows.tolist()]
+        rewards.append(r.rewards[rows])
+    real = len(samples)
+    filler = most * n - real
+    samples += (rounds[0].samples[:n] * most)[:filler]
+    rewards.append(torch.zeros(filler))
+    rewards = torch.cat(rewards)
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    lengths[real:] = 0.0
+    advantages = _advantages(run, rewards, lengths)
+    advantages[real:] = 0.0
+    batch = collate(samples, advantages, run.tokenizer.pad_token_id)
+    batch["loss_mask"][real:] = 0.0
+    batch["advantages"][real:] = 0.0
+    if run.cfg.algo.kl_reward_coef > 0:
+        batch["rewards"] = rewards  # [B]: prepare subtracts the KL penalty, recomputes advantages
     return batch
 
 
@@ -224,10 +310,11 @@ def _actor_batch(run, batch: Batch):
     return packed, 1, lambda values: unpack(values, index)
 
 
-def _logprobs(run, batch: Batch, fp8: bool = True) -> torch.Tensor:
+def _logprobs(run, batch: Batch, fp8: bool = True, model=None) -> torch.Tensor:
+    """Log-probs [B, S] of `model` (the actor by default), packed and chunked as the training pass."""
     actor_batch, mbs, restore = _actor_batch(run, batch)
-    out = run.actor.compute_logprobs(actor_batch, micro_batch_size=mbs, with_entropy=False, fp8=fp8,
-                                     logprob_chunk_size=run.cfg.train.logprob_chunk_size)
+    out = (model or run.actor).compute_logprobs(actor_batch, micro_batch_size=mbs, with_entropy=False, fp8=fp8,
+                                                logprob_chunk_size=run.cfg.train.logprob_chunk_size)
     return restore(out["logprobs"])
 
 
@@ -243,9 +330,11 @@ def _reduced_means(run, named: dict[str, torch.Tensor]) -> dict[str, float]:
     return {k: float(s / max(c, 1.0)) for k, (s, c) in zip(named, stacked.tolist())}
 
 
-def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> Batch | None:
-    """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's). The BF16 shadow's
-    old log-probs are computed in update_policy, on the calibration rows only.
+def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float], memory=None) -> Batch | None:
+    """Old log-probs (trainer recompute in the FP8 recipe, or the rollout's), then the reference
+    model's (KL terms; once per step, on the device only for that pass when `memory`, the
+    colocated protocol, says so). The BF16 shadow's old log-probs are computed in update_policy,
+    on the calibration rows only.
 
     Returns None (the step is skipped: no update, no sync) when there is nothing to train on or
     when any old log-prob on a response token is NaN/Inf: never a silent wrong update.
@@ -258,6 +347,8 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> B
     else:
         batch["old_logprobs"] = _logprobs(run, batch)
     metrics["time/old_logprobs"] = time.perf_counter() - t0
+    if run.ref is not None:
+        _reference(run, batch, metrics, memory)
     bad = _count_nonfinite(run, batch)
     metrics["guard/nonfinite_logprobs"] = bad
     if bad:
@@ -267,9 +358,44 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> B
     return batch
 
 
+def _reference(run, batch: Batch, metrics: dict[str, float], memory) -> None:
+    """batch["ref_logprobs"] [B, S] from the frozen reference (algo.ref_precision), kl/ref_mean
+    (the kl_loss_type estimate of KL(pi_old || pi_ref) per response token), and with
+    algo.kl_reward_coef the reward penalty, which recomputes the advantages."""
+    from megatron_rl.algo.kl import kl_estimate
+
+    t0, a, mask = time.perf_counter(), run.cfg.algo, batch["loss_mask"]
+    with memory.reference_on_device() if memory is not None else contextlib.nullcontext():
+        batch["ref_logprobs"] = _logprobs(run, batch, fp8=a.ref_precision == "train", model=run.ref)
+    metrics["time/ref_logprobs"] = time.perf_counter() - t0
+    kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_loss_type) * mask
+    sums = run.parallel.dp_reducer()(torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64))
+    metrics["kl/ref_mean"] = float(sums[0] / max(float(sums[1]), 1.0))
+    if "rewards" in batch:
+        _kl_in_reward(run, batch, metrics)
+
+
+def _kl_in_reward(run, batch: Batch, metrics: dict[str, float]) -> None:
+    """verl's use_kl_in_reward for outcome rewards: reward_i - coef * sum_t KL_t (kl_reward_type,
+    old vs reference, response tokens), then the group advantages of those rewards. Rows that
+    dynamic sampling dropped (loss mask 0) keep advantage 0."""
+    from megatron_rl.algo.kl import kl_estimate
+
+    a, mask = run.cfg.algo, batch["loss_mask"]
+    kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_reward_type) * mask
+    penalty = a.kl_reward_coef * kl.sum(-1)
+    rewards = batch.pop("rewards") - penalty
+    kept = (mask.sum(-1) > 0).float()
+    batch["advantages"] = _advantages(run, rewards, mask.sum(-1) * kept)[:, None] * mask * kept[:, None]
+    sums = run.parallel.dp_reducer()(torch.tensor([float((penalty * kept).sum()), float(kept.sum())],
+                                                  dtype=torch.float64))
+    metrics["kl/reward_penalty"] = float(sums[0] / max(float(sums[1]), 1.0))
+
+
 def _count_nonfinite(run, batch: Batch) -> float:
     on = batch["loss_mask"] > 0
-    bad = sum((~torch.isfinite(batch[k]) & on).sum() for k in ("old_logprobs", "old_logprobs_ref") if k in batch)
+    bad = sum((~torch.isfinite(batch[k]) & on).sum()
+              for k in ("old_logprobs", "old_logprobs_ref", "ref_logprobs") if k in batch)
     return _reduce_sum(run, float(bad))
 
 
@@ -409,6 +535,7 @@ def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: 
             rollout_logprobs=mb["rollout_logprobs"], use_tis=a.use_tis, tis_clip=a.tis_clip,
             tis_clip_low=a.tis_clip_low, tis_mode=a.tis_mode, tis_level=a.tis_level, icepop_low=a.icepop_low,
             icepop_high=a.icepop_high, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
+            ref_logprobs=mb.get("ref_logprobs"),
             entropy=entropy, entropy_coef=a.entropy_coef, ratio_ref=mb.get("ratio_ref"),
             ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
         if calibrating:

@@ -48,9 +48,12 @@ def run_layout(parallel, hf_dir, batch: dict) -> dict:
     denom = float(make_batch()["loss_mask"].sum())  # GLOBAL denominator, also under DP
     step = actor.train_step(batch, loss_fn_for(denom), micro_batch_size=MICRO)
     after = actor.compute_logprobs(batch, micro_batch_size=MICRO)
+    # the frozen reference policy (KL): sharded as the actor, the same log-probs as its first pass
+    frozen = MegatronActor.build(hf_dir, parallel=parallel, frozen=True)
     return {"logprobs": out["logprobs"], "entropy": out["entropy"], "loss": step["loss"],
             "grad_norm": step["grad_norm"], "metrics": step["metrics"], "exported": exported,
-            "logprobs_after": after["logprobs"]}
+            "logprobs_after": after["logprobs"],
+            "frozen_logprobs": frozen.compute_logprobs(batch, micro_batch_size=MICRO)["logprobs"]}
 
 
 def kernel_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,14 +128,15 @@ def test_layout_matches_single_process(name, distributed, reference, hf_dirs):
     ref = reference[name]
     ranks = [distributed[r][name] for r in range(2)]
     if name.startswith("dp2"):
-        got = {k: torch.cat([r[k] for r in ranks]) for k in ("logprobs", "entropy", "logprobs_after")}
+        got = {k: torch.cat([r[k] for r in ranks]) for k in ("logprobs", "entropy", "logprobs_after", "frozen_logprobs")}
         got["loss"] = ranks[0]["loss"] + ranks[1]["loss"]  # each rank sums its own micro-batches
     else:
         got = ranks[0]
-        for key in ("logprobs", "entropy", "logprobs_after"):  # every TP / PP rank returns them
+        for key in ("logprobs", "entropy", "logprobs_after", "frozen_logprobs"):  # every TP / PP rank returns them
             assert torch.equal(ranks[1][key], got[key]), key
         assert ranks[1]["loss"] == got["loss"] and ranks[1]["metrics"][0]["pg"].equal(got["metrics"][0]["pg"])
-    diffs = {k: rel_diff(got[k], ref[k]) for k in ("logprobs", "entropy", "logprobs_after")}
+    assert torch.equal(got["frozen_logprobs"], got["logprobs"])  # the reference is the initial policy
+    diffs = {k: rel_diff(got[k], ref[k]) for k in ("logprobs", "entropy", "logprobs_after", "frozen_logprobs")}
     diffs["loss"] = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
     diffs["grad_norm"] = abs(ranks[0]["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
     print(name, {k: f"{v:.1e}" for k, v in diffs.items()})

@@ -51,6 +51,17 @@ def _tp_part(log_dir: str) -> dict:
             **{k: step.state[k] for k in ("controller", "engine_sums", "trainer_sums")}}
 
 
+def _refill_part(log_dir: str) -> list[dict]:
+    """DP=2 DAPO refill: the task's exact-match reward drops groups, so rounds are refilled."""
+    trace = trace_run(Path(log_dir), "dapo_fp8_calibrated.yaml", "train.num_steps=2", "reward.name=",
+                      "algo.max_gen_batches=0")
+    return [{"metrics": {k: v for k, v in step.metrics.items() if not k.startswith(PER_RANK)},
+             "rounds": len(step.of("generate")), "params": step.state["params"], "loader": step.state["loader"],
+             "rows": sum(e.data["batch"]["tokens"].shape[0] for e in step.of("train")),
+             "trained": sum(int((e.data["batch"]["loss_mask"].sum(-1) > 0).sum()) for e in step.of("train"))}
+            for step in trace.steps]
+
+
 def _worker(rank: int, world_size: int, log_dir: str) -> dict:
     from megatron.core import parallel_state
 
@@ -60,7 +71,8 @@ def _worker(rank: int, world_size: int, log_dir: str) -> dict:
     # hangs); only Megatron's groups are rebuilt, for the other layout.
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(parallel, "destroy_parallel", parallel_state.destroy_model_parallel)
-        return {"dp": _dp_part(log_dir + "/dp"), "tp": _tp_part(log_dir + "/tp")}
+        return {"dp": _dp_part(log_dir + "/dp"), "tp": _tp_part(log_dir + "/tp"),
+                "refill": _refill_part(log_dir + "/refill")}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -104,3 +116,15 @@ def test_tp_peer_receives_the_engine_ranks_samples_and_trains_the_same_batch(ran
     m0, m1 = ({k: v for k, v in t["metrics"].items() if not k.startswith("sync/")} for t in (t0, t1))
     assert _same(m0, m1), {k: (m0.get(k), m1.get(k)) for k in m0.keys() | m1.keys() if m0.get(k) != m1.get(k)}
     assert t0["controller"] == t1["controller"]
+
+
+def test_dp_refill_trains_exactly_prompts_per_step_groups_over_both_ranks(ranks):
+    n, per_step = 4, 4  # TINY: rollout.n_samples_per_prompt, data.prompts_per_step
+    for r0, r1 in zip(ranks[0]["refill"], ranks[1]["refill"]):
+        assert _same(r0["metrics"], r1["metrics"]) and r0["loader"] == r1["loader"]
+        assert r0["rounds"] == r1["rounds"] == r0["metrics"]["dapo/gen_batches"]  # both ranks sample every round
+        assert r0["metrics"]["dapo/kept_groups"] == per_step
+        # the kept groups are split over the ranks, padded to equal rows; their union is the batch
+        assert r0["rows"] == r1["rows"] and r0["trained"] + r1["trained"] == per_step * n
+        assert r0["params"] == r1["params"]
+    assert any(r["metrics"]["dapo/gen_batches"] > 1 for r in ranks[0]["refill"]), "no refill: vacuous"

@@ -187,23 +187,29 @@ def _grpo(rewards: list[float], n: int) -> list[float]:
 
 def check_sample_flow(trace: Trace, step: Step) -> list[float]:
     """Assert that every response this rank drew in `step` was trained exactly once (none of a group
-    that dynamic sampling drops), with the reward of its own prompt's answer (reward fn called
-    here), its group's GRPO advantage, and its tokens, mask and rollout log-probs as generated.
-    Returns this rank's rewards."""
+    that dynamic sampling drops, none past the first data.prompts_per_step kept groups of a refilled
+    step: one process), with the reward of its own prompt's answer (reward fn called here), its
+    group's GRPO advantage, and its tokens, mask and rollout log-probs as generated.
+    Returns this rank's rewards, every round's."""
     n = trace.cfg.rollout.n_samples_per_prompt
     answers = {tuple(item.prompt_ids): item.answer for item in trace.dataset}
     reward_fn = get_reward_fn(trace.cfg.reward.name)
-    (generate,), (score,) = step.of("generate"), step.of("score")
-    samples = generate.data["samples"]
-    texts = trace.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    rewards = [reward_fn(t, answers[tuple(s.prompt_ids)]) for t, s in zip(texts, samples)]
-    assert score.data["rewards"] == pytest.approx(rewards, abs=0)
     expected: dict[tuple, list] = {}
-    for i, (s, adv) in enumerate(zip(samples, _grpo(rewards, n))):
-        group = rewards[i - i % n: i - i % n + n]
-        if trace.cfg.algo.dynamic_sampling and max(group) == min(group):
-            continue  # DAPO dynamic sampling: the whole group is dropped, never trained
-        expected.setdefault(tuple(s.prompt_ids) + tuple(s.response_ids), []).append((s, adv))
+    all_rewards, kept_groups = [], 0
+    for generate, score in zip(step.of("generate"), step.of("score"), strict=True):  # refill: rounds
+        samples = generate.data["samples"]
+        texts = trace.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        rewards = [reward_fn(t, answers[tuple(s.prompt_ids)]) for t, s in zip(texts, samples)]
+        assert score.data["rewards"] == pytest.approx(rewards, abs=0)
+        all_rewards += rewards
+        for i, (s, adv) in enumerate(zip(samples, _grpo(rewards, n))):
+            group = rewards[i - i % n: i - i % n + n]
+            if trace.cfg.algo.dynamic_sampling and max(group) == min(group):
+                continue  # DAPO dynamic sampling: the whole group is dropped, never trained
+            kept_groups += i % n == 0
+            if kept_groups > trace.cfg.data.prompts_per_step:
+                continue  # the rest of the last refill round: discarded
+            expected.setdefault(tuple(s.prompt_ids) + tuple(s.response_ids), []).append((s, adv))
     for e in step.of("train"):
         mb = e.data["batch"]
         for row in range(mb["tokens"].shape[0]):
@@ -218,7 +224,7 @@ def check_sample_flow(trace: Trace, step: Step) -> list[float]:
             assert mb["rollout_logprobs"][row, p: p + r].tolist() == pytest.approx(s.rollout_logprobs, abs=0)
             assert mb["advantages"][row, p: p + r].tolist() == pytest.approx([adv] * r, abs=1e-5)
     assert not [k for k, left in expected.items() if left], "a response was never trained"
-    return rewards
+    return all_rewards
 
 
 def trace_run(log_dir: Path, config: str, *overrides: str, setup=None) -> Trace:

@@ -62,6 +62,11 @@ def test_fp8_calibrated_run(tmp_path, config):
                       "mismatch/token_mult_prob_error", "calib/low"))
     # H is finite, or +inf (logged as null) when no H attains the BF16 balance: no upper clip
     assert all(r["calib/high"] is not None or r["calib/high_unbounded"] == 1.0 for r in trained)
+    # reward/mean (what the advantages use) = the task's reward + the overlong shaping (DAPO only)
+    for r in records:
+        assert r["reward/mean"] == pytest.approx(r["reward/accuracy"] + r["reward/overlong_penalty"], abs=1e-6)
+    penalties = [r["reward/overlong_penalty"] for r in records]
+    assert all(p < 0 for p in penalties) if config.startswith("dapo") else penalties == [0.0] * 3
     # the engine advanced one version per trained step (version 1 = the start-up sync)
     assert trained[-1]["sync/version"] == 1 + len(trained)
     assert all(r["sync/check_mismatches"] == 0 for r in trained)
@@ -110,7 +115,10 @@ def test_resume_gives_the_same_later_steps(tmp_path):
     period = "calib.period=3"
     # and the health detector, rebuilt from the log (garbled_surge_step is set at step 1, before the
     # resume): entropy threshold ~0 and patience 2 so its streak can move
-    health = ("health.entropy_rise=1e-9", "health.patience=2")
+    health = ("health.entropy_rise=1e-9", "health.patience=2",
+              # and the lr schedule, from the checkpoint: warm-up then cosine, its end fixed (not num_steps)
+              "train.lr_warmup_steps=1", "train.lr_decay_style=cosine", "train.lr_decay_steps=4",
+              "train.min_lr=2e-5")
     full = run_tiny(tmp_path / "a", "fp8_calibrated.yaml", "train.num_steps=4", period, *health)
     # a run stopped after step 2 (its checkpoint is the only state that survives), then resumed
     run_tiny(tmp_path / "b", "fp8_calibrated.yaml", "train.num_steps=2", "checkpoint.save_every=2", period, *health)
@@ -120,7 +128,10 @@ def test_resume_gives_the_same_later_steps(tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert full[0]["calib/num_calibrations"] == 1 and "shadow/log_ratio_bf16_std" not in full[2]
     assert full[3]["calib/num_calibrations"] == 2
-    for key in ("reward/mean", "pg_loss", "grad_norm", "entropy", "calib/low", "calib/high",
+    lr = load_config(EXAMPLES / "fp8_calibrated.yaml").train.lr  # Megatron's cosine, by hand
+    assert [r["lr"] for r in full] == pytest.approx(
+        [0.0, lr] + [2e-5 + 0.5 * (math.cos(math.pi * (n - 1) / 3) + 1) * (lr - 2e-5) for n in (2, 3)])
+    for key in ("lr", "reward/mean", "pg_loss", "grad_norm", "entropy", "calib/low", "calib/high",
                 "calib/num_calibrations", "calib/num_skipped", "clip/low_neg", "mismatch/abs_logprob_diff",
                 "sync/version", "noise/log_ratio_std_at_old", "health/entropy_min", "health/entropy_rise",
                 "health/rise_streak", "health/surge", "health/surge_step", "health/garbled_rate",

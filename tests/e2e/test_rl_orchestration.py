@@ -173,6 +173,9 @@ def test_dynamic_sampling_trains_exactly_the_kept_groups(root):
                       "reward.name=test_orchestration_half_constant")
     kept = [s.metrics["dynamic_sampling/kept_frac"] for s in trace.steps]
     assert any(0 < k < 1 for k in kept), kept  # some groups dropped, some kept: not vacuous
+    # refill: further rounds until prompts_per_step groups are kept, the first of them trained
+    assert [s.metrics["dapo/kept_groups"] for s in trace.steps] == [trace.cfg.data.prompts_per_step] * 2
+    assert any(s.metrics["dapo/gen_batches"] > 1 for s in trace.steps)
     for step in trace.steps:
         check_sample_flow(trace, step)
 
@@ -196,7 +199,8 @@ def _nan_weight_after_startup_sync(run_) -> None:
 
 
 SKIP_CAUSES = {
-    "all_groups_dropped": (("algo.dynamic_sampling=true", "reward.name=test_orchestration_constant"), None),
+    "all_groups_dropped": (("algo.dynamic_sampling=true", "algo.max_gen_batches=1",  # one round, no refill
+                            "reward.name=test_orchestration_constant"), None),
     "nonfinite_old_logprobs": ((), _nan_weight_after_startup_sync),
 }
 
