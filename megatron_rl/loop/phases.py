@@ -146,15 +146,29 @@ def pad_rows(batch: Batch, multiple: int) -> tuple[Batch, int]:
     return {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:]) * 0]) for k, v in batch.items()}, rows
 
 
+def pad_columns(batch: Batch, multiple: int) -> Batch:
+    """Append masked positions to every [B, S] tensor so S is a multiple of `multiple` (sequence
+    parallel splits the sequence over the TP ranks). Padding has loss_mask 0; attention is causal,
+    so earlier positions' outputs do not change."""
+    width = batch["tokens"].shape[1]
+    extra = -width % multiple
+    if extra == 0:
+        return batch
+    return {k: torch.nn.functional.pad(v, (0, extra)) if v.dim() == 2 and v.shape[1] == width else v
+            for k, v in batch.items()}
+
+
 def _actor_batch(run, batch: Batch):
     """(actor batch, micro_batch_size, restore): sequences packed to the token budget, one packed
-    row per micro-batch (train.max_tokens_per_micro_batch > 0), or rows padded to micro_batch_size;
-    restore maps the actor's per-token outputs back to `batch`'s [B, S] layout."""
+    row per micro-batch (train.max_tokens_per_micro_batch > 0), or rows padded to micro_batch_size
+    (and columns to the TP size under sequence parallel); restore maps the actor's per-token
+    outputs back to `batch`'s [B, S] layout."""
     t = run.cfg.train
-    if t.max_tokens_per_micro_batch == 0:
-        padded, rows = pad_rows(batch, t.micro_batch_size)
-        return padded, t.micro_batch_size, lambda values: values[:rows]
     sp = bool(run.actor.config.sequence_parallel)
+    if t.max_tokens_per_micro_batch == 0:
+        rows, cols = batch["tokens"].shape
+        padded, _ = pad_rows(pad_columns(batch, run.parallel.tp_size if sp else 1), t.micro_batch_size)
+        return padded, t.micro_batch_size, lambda values: values[:rows, :cols]
     multiple = pad_multiple(run.cfg.precision.train_recipe, run.parallel.tp_size, sp)
     packed, index = pack_batch(batch, t.max_tokens_per_micro_batch, multiple)
     return packed, 1, lambda values: unpack(values, index)
