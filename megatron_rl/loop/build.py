@@ -247,8 +247,10 @@ def build_actor_settings(cfg: RunConfig):
     the NVTE_* check precedes any TE import."""
     from megatron_rl.actor.settings import check_device, resolve_settings
 
+    from megatron_rl.fp8.te_recipe import wgrad_fusion_available
+
     cuda = torch.cuda.is_available()
-    settings = resolve_settings(cfg, cuda=cuda)
+    settings = resolve_settings(cfg, cuda=cuda, wgrad_fusion=cuda and wgrad_fusion_available())
     if settings.transformer_impl == "transformer_engine":
         from megatron_rl.fp8.te_recipe import require_te
         require_te(build_fp8_recipe(cfg))
