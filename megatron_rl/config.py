@@ -72,6 +72,11 @@ class ParallelConfig:
     transformer_impl: str = "auto"
     """auto | transformer_engine | local. auto: Transformer Engine's layer spec on CUDA (required;
     an import failure is an error, not a silent fallback), the local spec with emulated FP8 on CPU."""
+    host_wait_timeout_s: float = 0.0
+    """Seconds, timeout of the gloo groups that carry the long waits (server start, a whole rollout,
+    an evaluation, the owners' weight update); they never wait on the default NCCL group, whose
+    watchdog ends the job after 10 minutes. 0 = sized to the job: rollout.sglang.startup_timeout_s +
+    (max_retries + 1) x request_timeout_s + 600 (4.4 h with the defaults); 7200 with the embedded engine."""
 
 
 @dataclass
@@ -431,6 +436,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                              "servers load a block-FP8 checkpoint (rollout.sglang.model_path or the automatic one)")
     validate_parallel(cfg)
     _validate_calib(cfg)
+    _validate_host_wait(cfg)
     return cfg
 
 
@@ -505,3 +511,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def _validate_host_wait(cfg: RunConfig) -> None:
+    t = cfg.parallel.host_wait_timeout_s
+    sg = cfg.rollout.sglang
+    if t < 0:
+        raise ValueError(f"config key 'parallel.host_wait_timeout_s': must be >= 0 (0 = sized to the job), got {t}")
+    if t and cfg.rollout.engine == "sglang" and t < sg.startup_timeout_s:
+        raise ValueError(f"config key 'parallel.host_wait_timeout_s': {t} s is shorter than a server start "
+                         f"(rollout.sglang.startup_timeout_s={sg.startup_timeout_s}): the other ranks would "
+                         "give up while the owners' servers still start")

@@ -202,12 +202,14 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
+def build_rollout(cfg: RunConfig, model_dir: Path, parallel, host_groups=None):
     """(engine, transport, placement) of this rank. Owners build first (colocated: they start their
     host's servers); every rank then waits at a barrier, so clients attach to servers that are up.
 
     One process started without the launcher, disaggregated: it owns the servers its rollout.sglang
-    section launches or lists (placement None), as a laptop or a single-host test runs them."""
+    section launches or lists (placement None), as a laptop or a single-host test runs them.
+    The waits (a checkpoint conversion, a server start) run on the gloo world of `host_groups`,
+    with the job's long-wait timeout, never on the default NCCL group."""
     if (cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "disaggregated"
             and parallel.world_size == 1 and not os.environ.get("MEGATRON_RL_HOSTS")):
         engine, transport = build_engine(cfg, model_dir)
@@ -218,14 +220,15 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
         raise ValueError(f"rank {parallel.rank} runs on node {node} but the placement plan puts it on {host} "
                          "(torchrun's --node-rank must follow the plan's host order)")
     role = placement.rollout_role(parallel.rank)
+    world = host_groups.world if host_groups is not None else None
     if cfg.rollout.engine == "sglang":  # one conversion to the FP8 rollout checkpoint, before any owner reads it
         from megatron_rl.rollout.sglang_checkpoint import rollout_checkpoint
 
         if parallel.rank == 0:
             rollout_checkpoint(cfg, model_dir)
-        collectives.barrier(None)
+        collectives.barrier(world)
     engine, transport = build_engine(cfg, model_dir, placement, parallel.rank) if role == "owner" else (None, None)
-    collectives.barrier(None)  # world: owners' servers are healthy (may take minutes on a GPU)
+    collectives.barrier(world)  # owners' servers are healthy (may take minutes on a GPU)
     if role == "client":
         engine, transport = build_sglang(cfg, model_dir, placement, parallel.rank)
     log.info("placement %s", json.dumps({"rank": parallel.rank, "host": host, "pid": os.getpid(),
@@ -234,6 +237,18 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
                                          "servers": placement.servers_for(parallel.rank)
                                          if role and placement.layout != "embedded" else []}))
     return engine, transport, placement
+
+
+def host_wait_timeout_s(cfg: RunConfig) -> float:
+    """Timeout of the gloo groups that carry long waits: parallel.host_wait_timeout_s, or (0) the
+    longest wait the job can have: a server (re)start plus every attempt of a /generate request at
+    its full timeout, plus 10 minutes; 2 hours with the embedded engine."""
+    if cfg.parallel.host_wait_timeout_s:
+        return cfg.parallel.host_wait_timeout_s
+    if cfg.rollout.engine != "sglang":
+        return 7200.0
+    sg = cfg.rollout.sglang
+    return sg.startup_timeout_s + (sg.max_retries + 1) * sg.request_timeout_s + 600.0
 
 
 def build_controller(cfg: RunConfig):
@@ -306,12 +321,14 @@ def build_run(cfg: RunConfig) -> Run:
     with megatron_quiet():
         actor = build_actor(cfg, settings, parallel, model_dir)
     # Every rank, in the same order, before the owners go off to start servers (minutes).
-    host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks)
-    engine, transport, placement = build_rollout(cfg, model_dir, parallel)
+    host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks,
+                                               timeout_s=host_wait_timeout_s(cfg))
+    engine, transport, placement = build_rollout(cfg, model_dir, parallel, host_groups)
     clients = placement is not None and any(placement.rollout_role(r) == "client"
                                             for r in range(parallel.world_size))
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
-                      bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients)
+                      bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients,
+                      wait_group=host_groups.world)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0

@@ -29,8 +29,10 @@ GB = 1024**3
 class ColocatedMemory:
     """Owns the order of release / offload / resume calls; tracks who holds the device."""
 
-    def __init__(self, actor, engine, enabled: bool, barrier_after_sync: bool = False) -> None:
+    def __init__(self, actor, engine, enabled: bool, barrier_after_sync: bool = False, wait_group=None) -> None:
         self.actor = actor
+        self.wait_group = wait_group
+        """Gloo group of the whole world with the job's long-wait timeout (collectives.HostGroups.world)."""
         self.engine = engine
         self.enabled = enabled
         self.barrier_after_sync = barrier_after_sync
@@ -72,7 +74,7 @@ class ColocatedMemory:
             self.engine.resume_memory(("kv_cache",))
             self._engine_released = False
         if self.barrier_after_sync:
-            collectives.barrier(None)  # world: every owner's servers can generate again
+            collectives.barrier(self.wait_group)  # world (gloo): every owner's servers can generate again
         return {"memory/params_offloaded_gb": freed / GB, "time/memory_resume": time.perf_counter() - t0}
 
     @contextlib.contextmanager

@@ -80,6 +80,8 @@ def generate(run, prompts, step: int) -> Rollout:
     prompts = _shard(prompts, run.parallel)
     samples = _generate_on_engine(run, prompts, step) if run.is_engine_rank else None
     samples = _broadcast_from_engine_rank(samples, run.parallel, run.host_groups)
+    if run.host_groups is not None:  # replicas finish their rollouts apart: wait here (gloo), not in
+        collectives.barrier(run.host_groups.dp)  # the next NCCL data-parallel reduction
     t_rollout = time.perf_counter() - t0
     rewards, metrics, garbled = _score_on_engine_rank(run, prompts, samples)
     n = run.cfg.rollout.n_samples_per_prompt

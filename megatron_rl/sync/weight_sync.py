@@ -33,16 +33,20 @@ class WeightSync:
 
     wait_for_owners: every rank ends sync() at a world barrier, so a client rank (sampling through
     SGLang servers another rank owns, megatron_rl.cluster.placement) never generates during their update.
+    wait_group: the group of that barrier: the gloo world of collectives.HostGroups (an owner's update
+    can outlast NCCL's watchdog); None: the default group.
     """
 
     def __init__(self, actor, transport: WeightTransport | None, quant: RolloutQuantSpec,
-                 bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False) -> None:
+                 bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False,
+                 wait_group=None) -> None:
         self.actor = actor
         self.transport = transport
         self.quant = quant
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.check = check
         self.wait_for_owners = wait_for_owners
+        self.wait_group = wait_group
         self.version = 0
 
     def _local_buckets(self) -> Iterator[list[NamedTensor]]:
@@ -82,7 +86,7 @@ class WeightSync:
         if self.check and self.transport is not None:
             metrics["sync/check_mismatches"] = float(self._verify(digests))
         if self.wait_for_owners:
-            collectives.barrier(None)  # world: the owners' pause -> update -> continue is over
+            collectives.barrier(self.wait_group)  # world: the owners' pause -> update -> continue is over
         return metrics
 
     def _verify(self, digests: dict[str, str]) -> int:

@@ -111,3 +111,4 @@ def test_wgrad_fusion_probe_is_the_apex_import(monkeypatch):
     assert not wgrad_fusion_available()
     monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", types.ModuleType("fused_weight_gradient_mlp_cuda"))
     assert wgrad_fusion_available()
+
