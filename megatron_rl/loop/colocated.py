@@ -7,7 +7,12 @@ One RL step, as train.py runs it (design.md section 10; slime's train.py orders 
     ...                          # old log-probs, BF16 shadow, PPO updates
     memory.before_sync()         # trainer.offload(grads, optimizer); engine.resume_memory(weights)
     sync.sync()                  # trainer parameters -> engine weights
-    memory.after_sync()          # trainer.offload(params); engine.resume_memory(kv_cache)
+    memory.after_sync()          # trainer.offload(params); engine.resume_memory(kv_cache, cuda_graph)
+
+Tags are explicit both ways: SGLang's release with no tags frees every region, CUDA graphs included
+(srt/constants.py GPU_MEMORY_ALL_TYPES, weight_updater.py:343-378), and a resume restores only the
+tags it names (weight_updater.py:383-420); graphs left released are replayed on unmapped memory as
+soon as SGLANG_MEMORY_SAVER_CUDA_GRAPH puts them in the saver's region. They come back with the KV cache.
 
 The parameters leave the device after the sync, not before it: the export all-gathers TP shards
 on the device, and the BF16 parameters are 2 of Megatron's 18 bytes per parameter. The KV cache
@@ -24,6 +29,8 @@ import time
 from megatron_rl import collectives
 
 GB = 1024**3
+RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang srt/constants.py GPU_MEMORY_TYPE_*
+RESUME_AFTER_SYNC = ("kv_cache", "cuda_graph")
 
 
 class ColocatedMemory:
@@ -47,7 +54,7 @@ class ColocatedMemory:
             return {}
         t0 = time.perf_counter()
         if self.engine is not None:
-            self.engine.release_memory()
+            self.engine.release_memory(RELEASE_TAGS)
             self._engine_released = True
         reloaded = self.actor.reload() if self._trainer_offloaded else 0
         self._trainer_offloaded = False
@@ -71,7 +78,7 @@ class ColocatedMemory:
         t0 = time.perf_counter()
         freed = self.actor.offload(("params",))
         if self.engine is not None and self._engine_released:
-            self.engine.resume_memory(("kv_cache",))
+            self.engine.resume_memory(RESUME_AFTER_SYNC)
             self._engine_released = False
         if self.barrier_after_sync:
             collectives.barrier(self.wait_group)  # world (gloo): every owner's servers can generate again

@@ -483,9 +483,13 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _check_tags(tags: tuple[str, ...] | None) -> tuple[str, ...]:
-    """SGLang's memory regions (constants.py GPU_MEMORY_TYPE_*); None = both."""
-    tags = ("weights", "kv_cache") if tags is None else tuple(tags)
-    bad = [t for t in tags if t not in ("weights", "kv_cache")]
+    """SGLang's memory regions (constants.py GPU_MEMORY_TYPE_*); None = all. This engine captures
+    no CUDA graphs: "cuda_graph" is accepted and holds nothing."""
+    tags = MEMORY_TAGS if tags is None else tuple(tags)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
     if bad:
-        raise ValueError(f"memory tags {bad} are not 'weights' or 'kv_cache'")
+        raise ValueError(f"memory tags {bad} are not among {list(MEMORY_TAGS)}")
     return tags
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

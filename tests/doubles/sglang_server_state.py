@@ -69,6 +69,12 @@ class ServerState:
         self.session: dict | None = None
         self.paused, self.abort_epoch, self.in_flight = False, 0, 0
         self.released: set[str] = set()
+        # CUDA graphs live in torch_memory_saver's "cuda_graph" region only when the server starts
+        # with SGLANG_MEMORY_SAVER_CUDA_GRAPH set and graphs on (runner_backend/
+        # cuda_graph_dedup_mixin.py:298-337, full_cuda_graph_backend.py:123-191); releasing that tag
+        # then unmaps the graphs' memory, which a decode replay touches until it is resumed.
+        self.graphs_in_saver = (os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower() in ("1", "true")
+                                and "--disable-cuda-graph" not in args.ignored)
         self.groups: dict = {}
         self.cond = threading.Condition()
         self.gen_lock = threading.Lock()
@@ -119,6 +125,9 @@ class ServerState:
     def generate(self, body):
         if self.released & {"weights", "kv_cache"}:
             raise BadRequest(f"memory released ({sorted(self.released)}): resume_memory_occupation first")
+        if "cuda_graph" in self.released and self.graphs_in_saver:
+            return 500, {"error": "CUDA error: an illegal memory access was encountered (CUDA graph "
+                                  "replayed on released memory: resume tags=['cuda_graph'] first)"}
         with self.cond:
             self.cond.wait_for(lambda: not self.paused)
             self.in_flight += 1

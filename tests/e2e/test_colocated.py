@@ -17,9 +17,9 @@ RECORDED = {
 }
 # One RL step: rollout, engine out, trainer in, old log-probs (+ BF16 shadow), two PPO
 # mini-batches, trainer state out, engine weights in, sync, parameters out, KV cache in.
-STEP = ["generate", "release_memory()", "reload", "compute_logprobs", "compute_logprobs",
+STEP = ["generate", "release_memory(('weights', 'kv_cache', 'cuda_graph'))", "reload", "compute_logprobs", "compute_logprobs",
         "train_step", "train_step", "offload(('grads', 'optimizer'))", "resume_memory(('weights',))",
-        "sync", "finish_update", "offload(('params',))", "resume_memory(('kv_cache',))"]
+        "sync", "finish_update", "offload(('params',))", "resume_memory(('kv_cache', 'cuda_graph'))"]
 
 
 @pytest.fixture
