@@ -142,12 +142,12 @@ def make_host_groups(mp_ranks: list[int], dp_ranks: list[int], timeout_s: float 
         return HostGroups(None, None, None)
     timeout = timedelta(seconds=timeout_s)
     world = dist.new_group(backend="gloo", timeout=timeout)
-    mp = _gloo_subgroup(mp_ranks, world, timeout)
-    dp = _gloo_subgroup(dp_ranks, world, timeout)
+    mp = gloo_subgroup(mp_ranks, world, timeout)
+    dp = gloo_subgroup(dp_ranks, world, timeout)
     return HostGroups(mp, dp, world)
 
 
-def _gloo_subgroup(my_ranks: list[int], world: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
+def gloo_subgroup(my_ranks: list[int], world: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
     """The gloo group among the partition of the world that `my_ranks` belongs to (every rank
     contributes its own member list; new_subgroups_by_enumeration creates all of them in order)."""
     everyone = all_gather_objects(sorted(my_ranks), world)

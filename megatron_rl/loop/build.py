@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,27 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel, host_groups=None):
     return engine, transport, placement
 
 
+def wire_ipc_gather(cfg: RunConfig, placement, parallel, host_groups, transport):
+    """Colocated tensor transport: every rank of a host sends its own GPU's copy of each bucket to
+    the owner (a gloo group of the host's ranks in GPU order), so each server gets IPC handles on
+    its own GPUs. Collective over the world. Returns this rank's WeightSync peer (None on the owner,
+    which gets the gather, and where nothing is wired: PP > 1 stages hold only their own layers)."""
+    from megatron_rl.sync.sglang_transport import GlooGather, ipc_peer
+
+    if not (placement is not None and placement.layout == "colocated" and cfg.rollout.engine == "sglang"
+            and cfg.rollout.sglang.weight_transport == "tensor" and parallel.pp_size == 1
+            and host_groups.world is not None):
+        return None
+    host = placement.host_of(parallel.rank)
+    group = collectives.gloo_subgroup(list(host.trainer_ranks), host_groups.world,
+                                      timedelta(seconds=host_wait_timeout_s(cfg)))
+    owner = next(r for r in host.trainer_ranks if placement.is_owner(r))
+    if parallel.rank == owner:
+        transport.gather = GlooGather(group, owner)
+        return None
+    return ipc_peer(group, owner)
+
+
 def host_wait_timeout_s(cfg: RunConfig) -> float:
     """Timeout of the gloo groups that carry long waits: parallel.host_wait_timeout_s, or (0) the
     longest wait the job can have: a server (re)start plus every attempt of a /generate request at
@@ -328,7 +350,8 @@ def build_run(cfg: RunConfig) -> Run:
                                             for r in range(parallel.world_size))
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients,
-                      wait_group=host_groups.world)
+                      wait_group=host_groups.world,
+                      peer=wire_ipc_gather(cfg, placement, parallel, host_groups, transport))
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0

@@ -39,7 +39,7 @@ class WeightSync:
 
     def __init__(self, actor, transport: WeightTransport | None, quant: RolloutQuantSpec,
                  bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False,
-                 wait_group=None) -> None:
+                 wait_group=None, peer=None) -> None:
         self.actor = actor
         self.transport = transport
         self.quant = quant
@@ -47,6 +47,9 @@ class WeightSync:
         self.check = check
         self.wait_for_owners = wait_for_owners
         self.wait_group = wait_group
+        self.peer = peer
+        """peer(bucket) on a rank without a transport whose GPU copy feeds a server by CUDA IPC
+        (sync.sglang_transport.ipc_peer); None elsewhere."""
         self.version = 0
 
     def _local_buckets(self) -> Iterator[list[NamedTensor]]:
@@ -70,6 +73,8 @@ class WeightSync:
             self.transport.begin(version)
         for bucket in self._all_buckets():
             if self.transport is None:
+                if self.peer is not None:
+                    self.peer(bucket)
                 continue  # a non-engine rank still drives the collectives inside the generator
             self.transport.send(bucket, version)
             sent_bytes += sum(tensor_bytes(t) for _, t in bucket)
