@@ -43,8 +43,11 @@ def plan(cfg: RunConfig, spec: ModelSpec, cluster: Cluster, cuda: bool = True) -
         # keeps its CUDA graphs (outside torch_memory_saver unless SGLANG_MEMORY_SAVER_CUDA_GRAPH)
         # and its process context; while generating the offloaded trainer keeps its context and
         # TE's FP8 weight caches (module attributes, not parameters: offload does not move them).
+        # A checkpoint save between steps (loop/colocated.py trainer_on_device): the engine keeps
+        # its weights, graphs and context, the trainer is back without activations.
+        saving = resident + rollout["weights"] + rollout["cuda_graphs"] + rollout["cuda_context"]
         peak = max(t_total + rollout["cuda_graphs"] + rollout["cuda_context"],
-                   r_total + trainer["cuda_context"] + trainer["fp8_weight_cache"])
+                   r_total + trainer["cuda_context"] + trainer["fp8_weight_cache"], saving)
     else:
         peak = max(t_total, r_total)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens

@@ -31,6 +31,7 @@ from megatron_rl import collectives
 GB = 1024**3
 RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang srt/constants.py GPU_MEMORY_TYPE_*
 RESUME_AFTER_SYNC = ("kv_cache", "cuda_graph")
+SAVE_RELEASE_TAGS = ("kv_cache", "cuda_graph")  # a checkpoint save between steps: weights stay
 
 
 class ColocatedMemory:
@@ -86,12 +87,25 @@ class ColocatedMemory:
 
     @contextlib.contextmanager
     def trainer_on_device(self):
-        """The trainer's state on the device for the block (a checkpoint save), as it was after."""
+        """The trainer's state on the device for the block (a checkpoint save), as it was after.
+
+        Between steps the engine holds its weights and KV cache: with the whole trainer back too
+        (Qwen3-8B at 2 nodes: ~74 of 79 GiB) a save runs out of memory. The owners release the KV
+        cache and graphs first (weights stay: no re-sync), every rank waits for them (gloo world),
+        and they come back after the trainer is offloaded again."""
         if not self._trainer_offloaded:
             yield
             return
+        if self.engine is not None:
+            self.engine.release_memory(SAVE_RELEASE_TAGS)
+        collectives.barrier(self.wait_group)  # every owner's servers made room before any reload
         self.actor.reload()
         try:
             yield
         finally:
             self.actor.offload()
+            collectives.barrier(self.wait_group)
+            if self.engine is not None:
+                self.engine.resume_memory(SAVE_RELEASE_TAGS)
+            if self.barrier_after_sync:
+                collectives.barrier(self.wait_group)  # clients generate only once the KV cache is back

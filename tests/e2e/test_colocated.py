@@ -49,6 +49,8 @@ def test_colocated_protocol_order_in_the_loop(tmp_path, calls):
     # update); the BF16 forward at the current weights right before the calibration mini-batch's
     # update (the last one); its FP8 ratio comes from that update's own forward.
     step = STEP[:6] + ["compute_logprobs"] + STEP[6:]
-    end = ["reload", "save_checkpoint", "offload()"]  # the final save: trainer in, then out again
+    # The final save: the engine's KV cache and graphs out, trainer in, then out again, KV cache back.
+    end = ["release_memory(('kv_cache', 'cuda_graph'))", "reload", "save_checkpoint", "offload()",
+           "resume_memory(('kv_cache', 'cuda_graph'))"]
     assert calls == start + step + step + end
     assert records[-1]["memory/trainer_offloaded_gb"] > 0 and records[-1]["sync/check_mismatches"] == 0
