@@ -261,6 +261,19 @@ def wire_ipc_gather(cfg: RunConfig, placement, parallel, host_groups, transport)
     return ipc_peer(group, owner)
 
 
+def kv_scales_source(cfg: RunConfig, num_layers: int):
+    """What WeightSync sends for an FP8 KV cache: unit k/v scales with every update (a colocated
+    release discards the ones SGLang held), or None (no FP8 KV cache, or kv_scales=sent: the
+    scales come from elsewhere and the engine checks they came)."""
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or not sg.kv_cache_dtype.startswith("fp8") or sg.kv_scales != "unit":
+        return None
+    from megatron_rl.rollout.sglang_payload import kv_scale_tensors
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # flattened with the weights, on their device
+    return lambda: kv_scale_tensors([(1.0, 1.0)] * num_layers, device)
+
+
 def host_wait_timeout_s(cfg: RunConfig) -> float:
     """Timeout of the gloo groups that carry long waits: parallel.host_wait_timeout_s, or (0) the
     longest wait the job can have: a server (re)start plus every attempt of a /generate request at
@@ -351,7 +364,8 @@ def build_run(cfg: RunConfig) -> Run:
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients,
                       wait_group=host_groups.world,
-                      peer=wire_ipc_gather(cfg, placement, parallel, host_groups, transport))
+                      peer=wire_ipc_gather(cfg, placement, parallel, host_groups, transport),
+                      kv_scales=kv_scales_source(cfg, actor.spec.num_layers))
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0

@@ -88,6 +88,7 @@ class SGLangEngine(RolloutEngine):
         self._pending: int | None = None
         self._session_open = False
         self._kv_scales_sent: set[str] = set()
+        self._weights_released = False  # since the last update: FP8 KV scales went with them
         self._lock = threading.Lock()
         self._restart_locks = {id(s): threading.Lock() for s in self.servers}
         self.stats = {"retries": 0, "restarts": 0, "requests": 0}
@@ -299,9 +300,15 @@ class SGLangEngine(RolloutEngine):
         """Every bucket is in: check FP8 KV scales came along, flush the radix cache, adopt `version`."""
         if self._pending != version:
             raise ValueError(f"finish_update({version}) but the update in progress is {self._pending}")
-        if self.cfg.kv_scales == "sent" and self.cfg.kv_cache_dtype.startswith("fp8") and not self._kv_scales_sent:
-            raise ValueError(f"version {version}: rollout.sglang.kv_scales=sent but no k_scale/v_scale "
-                             "tensors were sent; stale KV scales silently corrupt attention")
+        fp8_kv = self.cfg.kv_cache_dtype.startswith("fp8")
+        if fp8_kv and not self._kv_scales_sent and (self.cfg.kv_scales == "sent" or self._weights_released):
+            # k_scale / v_scale live in SGLang's weight memory (layers/quantization/kv_cache.py:32-46):
+            # a weights release discards them, and the update's end re-derives the scales attention
+            # uses from that memory (kv_cache.py:51-82): they must come with the update.
+            raise ValueError(f"version {version}: an FP8 KV cache needs k_scale/v_scale tensors with this update "
+                             f"(rollout.sglang.kv_scales={self.cfg.kv_scales!r}"
+                             f"{', weights released since the last one' if self._weights_released else ''}); "
+                             "stale KV scales silently corrupt attention")
         if self._session_open:
             self.broadcast("/end_weight_update", {})
             self._session_open = False
@@ -310,6 +317,7 @@ class SGLangEngine(RolloutEngine):
             for s in self.servers:
                 s.version = version
             self._version, self._pending = version, None
+            self._weights_released = False
 
     def flush_cache(self, retry_s: float = 1.0) -> None:
         """/flush_cache on every server, retried: SGLang answers 400 while any request runs or waits,
@@ -342,6 +350,7 @@ class SGLangEngine(RolloutEngine):
         """Colocated: free weights and/or KV cache (SGLang discards the weights: a full update
         follows). Tags as ReleaseMemoryOccupationReqInput.tags (managers/io_struct.py)."""
         self.broadcast("/release_memory_occupation", {"tags": list(tags)} if tags else {})
+        self._weights_released |= not tags or "weights" in tags
 
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
         self.broadcast("/resume_memory_occupation", {"tags": list(tags)} if tags else {})

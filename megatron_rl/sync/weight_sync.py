@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -39,7 +40,7 @@ class WeightSync:
 
     def __init__(self, actor, transport: WeightTransport | None, quant: RolloutQuantSpec,
                  bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False,
-                 wait_group=None, peer=None) -> None:
+                 wait_group=None, peer=None, kv_scales=None) -> None:
         self.actor = actor
         self.transport = transport
         self.quant = quant
@@ -48,12 +49,17 @@ class WeightSync:
         self.wait_for_owners = wait_for_owners
         self.wait_group = wait_group
         self.peer = peer
+        self.kv_scales = kv_scales
+        """kv_scales() -> [(name, float32 scalar)]: an FP8 KV cache's k_scale / v_scale per layer,
+        sent with every sync after the weights (pipeline stage 0's buckets: one copy)."""
         """peer(bucket) on a rank without a transport whose GPU copy feeds a server by CUDA IPC
         (sync.sglang_transport.ipc_peer); None elsewhere."""
         self.version = 0
 
     def _local_buckets(self) -> Iterator[list[NamedTensor]]:
         named = quantize_for_rollout(self.actor.export_hf_weights(), self.quant)
+        if self.kv_scales is not None and self.actor.parallel.pp_rank == 0:
+            named = itertools.chain(named, self.kv_scales())
         return iter_buckets(named, self.bucket_bytes)
 
     def _all_buckets(self) -> Iterator[list[NamedTensor]]:
