@@ -38,6 +38,8 @@ class Run:
     reward_stats: dict[str, float] = field(default_factory=dict)
     host_groups: Any = None
     """collectives.HostGroups: gloo twins of the model-parallel / data-parallel groups for long waits."""
+    kv_calibration: Any = None
+    """actor.kv_amax.KvCalibration (FP8 KV cache, kv_scales=calibrated): fed by the old-log-prob pass."""
 
     @property
     def is_engine_rank(self) -> bool:
@@ -261,16 +263,28 @@ def wire_ipc_gather(cfg: RunConfig, placement, parallel, host_groups, transport)
     return ipc_peer(group, owner)
 
 
-def kv_scales_source(cfg: RunConfig, num_layers: int):
-    """What WeightSync sends for an FP8 KV cache: unit k/v scales with every update (a colocated
-    release discards the ones SGLang held), or None (no FP8 KV cache, or kv_scales=sent: the
-    scales come from elsewhere and the engine checks they came)."""
+def kv_calibration_for(cfg: RunConfig, num_layers: int, parallel):
+    """actor.kv_amax.KvCalibration when rollout.sglang.kv_scales=calibrated with an FP8 KV cache."""
     sg = cfg.rollout.sglang
-    if cfg.rollout.engine != "sglang" or not sg.kv_cache_dtype.startswith("fp8") or sg.kv_scales != "unit":
+    if cfg.rollout.engine != "sglang" or not sg.kv_cache_dtype.startswith("fp8") or sg.kv_scales != "calibrated":
+        return None
+    from megatron_rl.actor.kv_amax import KvCalibration
+
+    return KvCalibration(num_layers, parallel)
+
+
+def kv_scales_source(cfg: RunConfig, num_layers: int, calibration=None):
+    """What WeightSync sends for an FP8 KV cache with every update (a colocated release discards the
+    scales SGLang held): the calibrated scales, or unit ones; None without an FP8 KV cache or with
+    kv_scales=sent (the scales come from elsewhere and the engine checks they came)."""
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or not sg.kv_cache_dtype.startswith("fp8") or sg.kv_scales == "sent":
         return None
     from megatron_rl.rollout.sglang_payload import kv_scale_tensors
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # flattened with the weights, on their device
+    if calibration is not None:
+        return lambda: kv_scale_tensors(calibration.scales(), device)
     return lambda: kv_scale_tensors([(1.0, 1.0)] * num_layers, device)
 
 
@@ -359,13 +373,14 @@ def build_run(cfg: RunConfig) -> Run:
     host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks,
                                                timeout_s=host_wait_timeout_s(cfg))
     engine, transport, placement = build_rollout(cfg, model_dir, parallel, host_groups)
+    kv_calibration = kv_calibration_for(cfg, actor.spec.num_layers, parallel)
     clients = placement is not None and any(placement.rollout_role(r) == "client"
                                             for r in range(parallel.world_size))
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients,
                       wait_group=host_groups.world,
                       peer=wire_ipc_gather(cfg, placement, parallel, host_groups, transport),
-                      kv_scales=kv_scales_source(cfg, actor.spec.num_layers))
+                      kv_scales=kv_scales_source(cfg, actor.spec.num_layers, kv_calibration))
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
@@ -374,4 +389,4 @@ def build_run(cfg: RunConfig) -> Run:
     if parallel.rank == 0:
         save_config(cfg, Path(cfg.log.dir) / "config.yaml")
     return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),
-               build_controller(cfg), logger, checkpointer, host_groups=host_groups)
+               build_controller(cfg), logger, checkpointer, host_groups=host_groups, kv_calibration=kv_calibration)

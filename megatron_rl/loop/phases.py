@@ -183,6 +183,15 @@ def _logprobs(run, batch: Batch, fp8: bool = True) -> torch.Tensor:
     return restore(out["logprobs"])
 
 
+def _old_logprobs(run, batch: Batch) -> torch.Tensor:
+    """The trainer's old log-probs; with calibrated FP8 KV scales the same forward records K/V amax."""
+    calibration = getattr(run, "kv_calibration", None)
+    if calibration is None:
+        return _logprobs(run, batch)
+    with calibration.recording(run.actor.model):
+        return _logprobs(run, batch)
+
+
 def _reduce_sum(run, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     return float(run.parallel.dp_reducer()(t)[0])
@@ -208,7 +217,7 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float]) -> B
     if run.cfg.algo.use_rollout_logprobs:
         batch["old_logprobs"] = batch["rollout_logprobs"].clone()
     else:
-        batch["old_logprobs"] = _logprobs(run, batch)
+        batch["old_logprobs"] = _old_logprobs(run, batch)
     metrics["time/old_logprobs"] = time.perf_counter() - t0
     bad = _count_nonfinite(run, batch)
     metrics["guard/nonfinite_logprobs"] = bad

@@ -301,7 +301,7 @@ class SGLangEngine(RolloutEngine):
         if self._pending != version:
             raise ValueError(f"finish_update({version}) but the update in progress is {self._pending}")
         fp8_kv = self.cfg.kv_cache_dtype.startswith("fp8")
-        if fp8_kv and not self._kv_scales_sent and (self.cfg.kv_scales == "sent" or self._weights_released):
+        if fp8_kv and not self._kv_scales_sent and (self.cfg.kv_scales != "unit" or self._weights_released):
             # k_scale / v_scale live in SGLang's weight memory (layers/quantization/kv_cache.py:32-46):
             # a weights release discards them, and the update's end re-derives the scales attention
             # uses from that memory (kv_cache.py:51-82): they must come with the update.
