@@ -97,8 +97,13 @@ def parallel():
 
 
 def cfg_of(*overrides):
+    """A run config; the checks that do not name a layer spec take TE when it imports, else local."""
     from megatron_rl.config import load_config
-    return load_config(None, list(overrides))
+    from megatron_rl.fp8.te_recipe import te_available
+    keys = list(overrides)
+    if not any(k.startswith("parallel.transformer_impl") for k in keys) and not te_available():
+        keys.append("parallel.transformer_impl=local")
+    return load_config(None, keys)
 
 
 def settings_of(cfg):
