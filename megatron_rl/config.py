@@ -188,6 +188,11 @@ class RolloutConfig:
     max_new_tokens: int = 16
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers, router and weight transport (rollout.engine=sglang; GPU only)."""
+    kv_cache_dtype: str = "auto"
+    """auto | fp8_e4m3. rollout.engine=torch: fp8_e4m3 emulates SGLang's FP8 KV cache (K / V stored
+    as E4M3 at per-layer scales that come with every sync, rollout.sglang.kv_scales: calibrated or
+    unit), so its effect on the mismatch metrics shows on CPU. auto: the model's dtype. SGLang's own
+    cache is rollout.sglang.kv_cache_dtype."""
 
 
 @dataclass
@@ -310,6 +315,7 @@ class RunConfig:
 
 _CHOICES = {
     "precision.train_recipe": TRAIN_RECIPES,
+    "rollout.kv_cache_dtype": ("auto", "fp8_e4m3"),
     "precision.fp8_format": ("hybrid", "e4m3"),
     "precision.params_dtype": ("auto", "bf16", "fp32"),
     "parallel.recompute_granularity": ("none", "selective", "full"),

@@ -149,7 +149,8 @@ def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
     p = cfg.precision
     engine = TorchRolloutEngine(model_dir, rollout_quant=p.rollout_quant,
                                 weight_block_size=tuple(p.weight_block_size), scale_format=p.scale_format,
-                                high_precision=tuple(p.high_precision), seed=cfg.train.seed)
+                                high_precision=tuple(p.high_precision), seed=cfg.train.seed,
+                                kv_cache_dtype=cfg.rollout.kv_cache_dtype)
     return engine, InProcessTransport(engine)
 
 
@@ -263,10 +264,16 @@ def wire_ipc_gather(cfg: RunConfig, placement, parallel, host_groups, transport)
     return ipc_peer(group, owner)
 
 
+def fp8_kv_cache(cfg: RunConfig) -> bool:
+    """The engine's KV cache is FP8: SGLang's, or the embedded engine's emulation of it."""
+    if cfg.rollout.engine == "sglang":
+        return cfg.rollout.sglang.kv_cache_dtype.startswith("fp8")
+    return cfg.rollout.kv_cache_dtype == "fp8_e4m3"
+
+
 def kv_calibration_for(cfg: RunConfig, num_layers: int, parallel):
     """actor.kv_amax.KvCalibration when rollout.sglang.kv_scales=calibrated with an FP8 KV cache."""
-    sg = cfg.rollout.sglang
-    if cfg.rollout.engine != "sglang" or not sg.kv_cache_dtype.startswith("fp8") or sg.kv_scales != "calibrated":
+    if not fp8_kv_cache(cfg) or cfg.rollout.sglang.kv_scales != "calibrated":
         return None
     from megatron_rl.actor.kv_amax import KvCalibration
 
@@ -277,8 +284,7 @@ def kv_scales_source(cfg: RunConfig, num_layers: int, calibration=None):
     """What WeightSync sends for an FP8 KV cache with every update (a colocated release discards the
     scales SGLang held): the calibrated scales, or unit ones; None without an FP8 KV cache or with
     kv_scales=sent (the scales come from elsewhere and the engine checks they came)."""
-    sg = cfg.rollout.sglang
-    if cfg.rollout.engine != "sglang" or not sg.kv_cache_dtype.startswith("fp8") or sg.kv_scales == "sent":
+    if not fp8_kv_cache(cfg) or cfg.rollout.sglang.kv_scales == "sent":
         return None
     from megatron_rl.rollout.sglang_payload import kv_scale_tensors
 
