@@ -22,6 +22,7 @@ checkpoint and build modules free of direct calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -130,30 +131,28 @@ class HostGroups:
     world: dist.ProcessGroup | None
 
 
-def make_host_groups(mp_ranks: list[int], dp_ranks: list[int]) -> HostGroups:
-    """Gloo groups with the same members as this rank's model-parallel and data-parallel groups.
+def make_host_groups(mp_ranks: list[int], dp_ranks: list[int], timeout_s: float = 7200.0) -> HostGroups:
+    """Gloo groups of the whole world and of this rank's model-parallel and data-parallel members,
+    with an explicit timeout sized to the job's longest wait (a server start, a rollout, an
+    evaluation): the default groups keep torch's default (10 min for NCCL, 30 for gloo).
 
-    Collective over the whole world (every rank calls it, in the same order). On a gloo world the
-    default groups already suit long waits, so they are reused and nothing is created.
+    Collective over the whole world (every rank calls it, in the same order).
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return HostGroups(None, None, None)
-    if dist.get_backend() == "gloo":
-        from megatron.core import parallel_state as mps
-
-        return HostGroups(mps.get_model_parallel_group(), mps.get_data_parallel_group(), None)
-    world = dist.new_group(backend="gloo")
-    mp = _gloo_subgroup(mp_ranks, world)
-    dp = _gloo_subgroup(dp_ranks, world)
+    timeout = timedelta(seconds=timeout_s)
+    world = dist.new_group(backend="gloo", timeout=timeout)
+    mp = gloo_subgroup(mp_ranks, world, timeout)
+    dp = gloo_subgroup(dp_ranks, world, timeout)
     return HostGroups(mp, dp, world)
 
 
-def _gloo_subgroup(my_ranks: list[int], world: dist.ProcessGroup) -> dist.ProcessGroup:
+def gloo_subgroup(my_ranks: list[int], world: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
     """The gloo group among the partition of the world that `my_ranks` belongs to (every rank
     contributes its own member list; new_subgroups_by_enumeration creates all of them in order)."""
     everyone = all_gather_objects(sorted(my_ranks), world)
     partition = sorted({tuple(r) for r in everyone})
-    mine, _ = dist.new_subgroups_by_enumeration([list(p) for p in partition], backend="gloo")
+    mine, _ = dist.new_subgroups_by_enumeration([list(p) for p in partition], timeout=timeout, backend="gloo")
     return mine
 
 

@@ -76,6 +76,11 @@ class ParallelConfig:
     transformer_impl: str = "auto"
     """auto | transformer_engine | local. auto: Transformer Engine's layer spec on CUDA (required;
     an import failure is an error, not a silent fallback), the local spec with emulated FP8 on CPU."""
+    host_wait_timeout_s: float = 0.0
+    """Seconds, timeout of the gloo groups that carry the long waits (server start, a whole rollout,
+    an evaluation, the owners' weight update); they never wait on the default NCCL group, whose
+    watchdog ends the job after 10 minutes. 0 = sized to the job: rollout.sglang.startup_timeout_s +
+    (max_retries + 1) x request_timeout_s + 600 (4.4 h with the defaults); 7200 with the embedded engine."""
 
 
 @dataclass
@@ -248,6 +253,11 @@ class RolloutConfig:
     seed: int | None = None
     """Base seed of rollout sampling (per step and rank seeds derive from it); null = train.seed.
     SGLang applies per-request seeds only with rollout.sglang.deterministic_inference."""
+    kv_cache_dtype: str = "auto"
+    """auto | fp8_e4m3. rollout.engine=torch: fp8_e4m3 emulates SGLang's FP8 KV cache (K / V stored
+    as E4M3 at per-layer scales that come with every sync, rollout.sglang.kv_scales: calibrated or
+    unit), so its effect on the mismatch metrics shows on CPU. auto: the model's dtype. SGLang's own
+    cache is rollout.sglang.kv_cache_dtype."""
 
 
 @dataclass
@@ -499,6 +509,7 @@ class RunConfig:
 
 _CHOICES = {
     "precision.train_recipe": TRAIN_RECIPES,
+    "rollout.kv_cache_dtype": ("auto", "fp8_e4m3"),
     "precision.fp8_format": ("hybrid", "e4m3"),
     "precision.params_dtype": ("auto", "bf16", "fp32"),
     "parallel.recompute_granularity": ("none", "selective", "full"),
@@ -656,6 +667,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_optimizer(cfg.train)
     _validate_reference(cfg)
     _validate_refill(cfg.algo)
+    _validate_host_wait(cfg)
     return cfg
 
 
@@ -941,3 +953,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def _validate_host_wait(cfg: RunConfig) -> None:
+    t = cfg.parallel.host_wait_timeout_s
+    sg = cfg.rollout.sglang
+    if t < 0:
+        raise ValueError(f"config key 'parallel.host_wait_timeout_s': must be >= 0 (0 = sized to the job), got {t}")
+    if t and cfg.rollout.engine == "sglang" and t < sg.startup_timeout_s:
+        raise ValueError(f"config key 'parallel.host_wait_timeout_s': {t} s is shorter than a server start "
+                         f"(rollout.sglang.startup_timeout_s={sg.startup_timeout_s}): the other ranks would "
+                         "give up while the owners' servers still start")

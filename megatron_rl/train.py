@@ -63,7 +63,8 @@ def run(cfg: RunConfig) -> dict[str, float]:
     # of the same servers would release them twice, and SGLang refuses a resume of what is not released.
     owned = run_.engine if run_.sync.transport is not None else None
     memory = ColocatedMemory(run_.actor, owned, enabled=cfg.train.colocated_protocol and is_colocated(cfg),
-                             barrier_after_sync=run_.sync.wait_for_owners, reference=run_.ref)
+                             barrier_after_sync=run_.sync.wait_for_owners, reference=run_.ref,
+                             wait_group=run_.sync.wait_group)
     _ON_SIGTERM.extend([run_.rewards.close] + ([run_.engine.shutdown] if run_.engine is not None else []))
     metrics: dict[str, float] = {}
     evaluator = best = None

@@ -54,10 +54,10 @@ def scale_kwargs(spec: ModelSpec, parallel: ParallelInfo, settings: ResolvedSett
         kwargs["recompute_method"] = settings.recompute_method
         kwargs["recompute_num_layers"] = settings.recompute_num_layers
     if settings.device == "cuda" and settings.transformer_impl == "transformer_engine":
-        # The fused kernels exist on CUDA with TE (TE's wgrad GEMM accumulates into main_grad).
+        # The fused kernels exist on CUDA with TE. The wgrad fusion also needs apex (settings.py).
         # RoPE fusion stays off: the actor's angles are per token (models/rope.py).
-        kwargs.update(gradient_accumulation_fusion=True, bias_activation_fusion=True,
-                      bias_dropout_fusion=True, masked_softmax_fusion=True)
+        kwargs.update(gradient_accumulation_fusion=settings.gradient_accumulation_fusion,
+                      bias_activation_fusion=True, bias_dropout_fusion=True, masked_softmax_fusion=True)
     return kwargs
 
 

@@ -56,6 +56,11 @@ class ResolvedSettings:
     """transformer_engine | local."""
     fp8_emulated: bool
     """True when an FP8 train recipe runs through the emulated linears (local spec) instead of TE."""
+    gradient_accumulation_fusion: bool = False
+    """Megatron's fused wgrad accumulation into main_grad. On only on CUDA with the TE spec and when
+    apex's fused_weight_gradient_mlp_cuda imports: Megatron's own ColumnParallelLinear (the output
+    layer, also under the TE spec) raises at construction without it (megatron-core 0.16.1
+    tensor_parallel/layers.py:44-48, 924-933), and nothing installs apex."""
 
     @property
     def bf16(self) -> bool:
@@ -131,12 +136,13 @@ def validate_parallel(cfg) -> None:
                          "parallel.use_distributed_optimizer=true or overlap_param_gather=false")
 
 
-def resolve_settings(cfg, cuda: bool) -> ResolvedSettings:
+def resolve_settings(cfg, cuda: bool, wgrad_fusion: bool = False) -> ResolvedSettings:
     """Resolve the actor's null/auto config keys for a machine with (cuda=True) or without a GPU.
 
     Args:
         cfg: a RunConfig (only its `parallel` and `precision` sections are read).
         cuda: whether the trainer runs on CUDA devices.
+        wgrad_fusion: whether apex's fused wgrad kernel imports (fp8.te_recipe.wgrad_fusion_available).
     Raises:
         ValueError naming the config key of a combination that cannot run.
     """
@@ -158,7 +164,8 @@ def resolve_settings(cfg, cuda: bool) -> ResolvedSettings:
         overlap_grad_reduce=_auto(p.overlap_grad_reduce, cuda),
         overlap_param_gather=_auto(p.overlap_param_gather, cuda and dist_opt),
         recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-        recompute_num_layers=p.recompute_num_layers, transformer_impl=impl, fp8_emulated=emulated)
+        recompute_num_layers=p.recompute_num_layers, transformer_impl=impl, fp8_emulated=emulated,
+        gradient_accumulation_fusion=cuda and impl == "transformer_engine" and wgrad_fusion)
 
 
 def check_device(settings: ResolvedSettings, recipe: str,

@@ -11,10 +11,13 @@ Sources of the formulas (docs/plan.md has the derivations):
   attention never stores the s x s scores, so no recompute is the same), s*b*h*(10 + 24/TP)
   without SP; full recompute keeps each layer's 2*s*b*h input plus one recompute chunk; PP keeps
   min(pp, micro-batches) micro-batches in flight on the first stage.
-- rollout: SGLang mem_cache/kv_cache_configurator.py _profile_available_bytes: the static pool is
-  mem_fraction_static x GPU memory, weights first and the KV cache the rest; the activation / CUDA
-  graph reserve outside it is runtime_context.py pre_capture_activation_reserve_mb
-  (512 MB + 1.5 MB per chunked-prefill token + TP*PP/8 GB, at least 10 GB on GPUs over 60 GB).
+- rollout: SGLang 0.5.23 mem_cache/kv_cache_configurator.py:2990-3060 (_profile_available_bytes):
+  KV pool = free memory after loading the weights - free memory at start x (1 - mem_fraction_static),
+  free memory at start measured by the server process before loading (model_runner.py:1262,
+  measure_pre_model_load_memory), so whatever else holds the GPU then (a colocated trainer, built
+  before its servers start) shrinks the pool; the activation / CUDA graph reserve is
+  runtime_context.py pre_capture_activation_reserve_mb (512 MB + 1.5 MB per chunked-prefill token
+  + TP*PP/8 GB, at least 10 GB on GPUs over 60 GB).
 """
 
 from __future__ import annotations
@@ -127,9 +130,22 @@ def trainer_memory(cfg: RunConfig, spec: ModelSpec, dp: int, cuda: bool = True) 
     }
 
 
-def rollout_memory(cfg: RunConfig, spec: ModelSpec, gpu_mem_gb: float) -> dict[str, float]:
-    """Bytes on one rollout GPU: SGLang's static pool (weights + KV cache) and its reserve; the
-    embedded engine holds its weights and the KV cache of one step's samples."""
+def sglang_kv_bytes(gpu_bytes: float, resident_at_start: float, weights: float, fraction: float) -> float:
+    """SGLang's KV pool (see the module docstring): free after load - free at start x (1 - fraction);
+    the server's own CUDA context is in place before either is measured. 0 where SGLang refuses to
+    start ("Loaded weights leave no GPU memory for the KV cache")."""
+    free_at_start = gpu_bytes - resident_at_start - CUDA_CONTEXT_GB * GB
+    free_after_load = free_at_start - weights
+    return max(free_after_load - free_at_start * (1.0 - fraction), 0.0)
+
+
+def rollout_memory(cfg: RunConfig, spec: ModelSpec, gpu_mem_gb: float,
+                   resident_at_start: float = 0.0) -> dict[str, float]:
+    """Bytes on one rollout GPU: SGLang's weights, KV pool, reserve and process context; the
+    embedded engine holds its weights and the KV cache of one step's samples.
+
+    resident_at_start: bytes other processes hold on the GPU when the server starts (colocated:
+    the trainer's weights, gradients, optimizer state and context)."""
     sg = cfg.rollout.sglang
     tp = sg.tp_size if cfg.rollout.engine == "sglang" else 1
     linear, other = layer_params(spec)
@@ -142,13 +158,13 @@ def rollout_memory(cfg: RunConfig, spec: ModelSpec, gpu_mem_gb: float) -> dict[s
         samples = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
         longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
         return {"weights": weights, "kv_cache": samples * longest * kv_cell_bytes(cfg, spec),
-                "cuda_graphs": 0.0}
-    static = sg.mem_fraction_static * gpu_mem_gb * GB
+                "cuda_graphs": 0.0, "cuda_context": 0.0}
+    kv = sglang_kv_bytes(gpu_mem_gb * GB, resident_at_start, weights, sg.mem_fraction_static)
     reserve_mb = 512 + max(_chunked_prefill(sg.extra_args), 2048) * 1.5 + tp / 8 * 1024
     if gpu_mem_gb > 60:
         reserve_mb = max(reserve_mb, 10 * 1024)
-    return {"weights": weights, "kv_cache": max(static - weights, 0.0),
-            "cuda_graphs": reserve_mb * 1024**2}
+    return {"weights": weights, "kv_cache": kv, "cuda_graphs": reserve_mb * 1024**2,
+            "cuda_context": CUDA_CONTEXT_GB * GB}
 
 
 def _chunked_prefill(extra_args: list[str]) -> int:

@@ -110,9 +110,20 @@ class Placement:
         return "client" if self.is_replica_head(rank) else None
 
     def servers_for(self, rank: int) -> list[str]:
-        """URLs a replica head samples from: its host's servers (colocated) or all of them."""
+        """URLs a replica head samples from: its host's servers (colocated) or all of them.
+
+        Colocated, in this head's order of preference: the host's servers rotated so that head j of
+        the host's k heads starts at server j * n // k (its own GPUs' server when n = k). The engine
+        sends to the least busy server by its own counters, ties to the first: without the rotation
+        every head, seeing 0 everywhere, sent its rollout to server 0 and the other GPUs idled."""
         if self.layout == "colocated":
-            return self.host_of(rank).server_urls()
+            host = self.host_of(rank)
+            urls = host.server_urls()
+            heads = [r for r in host.trainer_ranks if self.is_replica_head(r)]
+            if not urls or rank not in heads:
+                return urls
+            start = heads.index(rank) * len(urls) // len(heads)
+            return urls[start:] + urls[:start]
         return [u for h in self.server_hosts for u in h.server_urls()]
 
     def owned_servers(self, rank: int) -> list[str]:

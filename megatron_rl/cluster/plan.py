@@ -34,13 +34,22 @@ def plan(cfg: RunConfig, spec: ModelSpec, cluster: Cluster, cuda: bool = True) -
     raise it, when the model does not split over the configured TP / PP sizes."""
     check_divisibility(spec, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
     trainer = trainer_memory(cfg, spec, trainer_dp(cfg, cluster), cuda)
-    rollout = rollout_memory(cfg, spec, cluster.gpu_mem_gb)
     colocated = is_colocated(cfg)
+    # Colocated servers start after the trainer is built (loop/build.py): its state is resident then.
+    built = ("weights", "grads", "optimizer", "cuda_context")
+    resident = sum(trainer[k] for k in built) if colocated and cfg.rollout.engine == "sglang" else 0.0
+    rollout = rollout_memory(cfg, spec, cluster.gpu_mem_gb, resident)
     t_total, r_total = sum(trainer.values()), sum(rollout.values())
     if colocated:
-        # The protocol (loop/colocated.py) never holds both: the released engine keeps only its
-        # CUDA graphs, the offloaded trainer only its CUDA context.
-        peak = max(t_total + rollout["cuda_graphs"], r_total + trainer["cuda_context"])
+        # The protocol (loop/colocated.py) never holds both: while training the released engine
+        # keeps its CUDA graphs (outside torch_memory_saver unless SGLANG_MEMORY_SAVER_CUDA_GRAPH)
+        # and its process context; while generating the offloaded trainer keeps its context and
+        # TE's FP8 weight caches (module attributes, not parameters: offload does not move them).
+        # A checkpoint save between steps (loop/colocated.py trainer_on_device): the engine keeps
+        # its weights, graphs and context, the trainer is back without activations.
+        saving = resident + rollout["weights"] + rollout["cuda_graphs"] + rollout["cuda_context"]
+        peak = max(t_total + rollout["cuda_graphs"] + rollout["cuda_context"],
+                   r_total + trainer["cuda_context"] + trainer["fp8_weight_cache"], saving)
     else:
         peak = max(t_total, r_total)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens

@@ -48,6 +48,17 @@ def te_available() -> bool:
     return True
 
 
+def wgrad_fusion_available() -> bool:
+    """True when apex's fused_weight_gradient_mlp_cuda imports: what Megatron's
+    gradient_accumulation_fusion needs (megatron-core 0.16.1 tensor_parallel/layers.py:44-48 checks
+    the same import, and ColumnParallelLinear raises without it at 924-933)."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except (ImportError, OSError, RuntimeError):  # a container's apex built for another torch
+        return False
+    return True
+
+
 def build_te_recipe(recipe: Fp8Recipe):
     """The transformer_engine.common.recipe object for `recipe` (for te.fp8_autocast).
 

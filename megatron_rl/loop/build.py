@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ class Run:
     """collectives.HostGroups: gloo twins of the model-parallel / data-parallel groups for long waits."""
     ref: Any = None
     """The frozen reference policy (a MegatronActor built with frozen=True) when a KL term needs it."""
+    kv_calibration: Any = None
+    """actor.kv_amax.KvCalibration (FP8 KV cache, kv_scales=calibrated): fed by the old-log-prob pass."""
 
     @property
     def is_engine_rank(self) -> bool:
@@ -208,7 +211,8 @@ def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
     p = cfg.precision
     engine = TorchRolloutEngine(model_dir, rollout_quant=p.rollout_quant,
                                 weight_block_size=tuple(p.weight_block_size), scale_format=p.scale_format,
-                                high_precision=tuple(p.high_precision), seed=cfg.train.seed)
+                                high_precision=tuple(p.high_precision), seed=cfg.train.seed,
+                                kv_cache_dtype=cfg.rollout.kv_cache_dtype)
     return engine, InProcessTransport(engine)
 
 
@@ -264,12 +268,14 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
+def build_rollout(cfg: RunConfig, model_dir: Path, parallel, host_groups=None):
     """(engine, transport, placement) of this rank. Owners build first (colocated: they start their
     host's servers); every rank then waits at a barrier, so clients attach to servers that are up.
 
     One process started without the launcher, disaggregated: it owns the servers its rollout.sglang
-    section launches or lists (placement None), as a laptop or a single-host test runs them."""
+    section launches or lists (placement None), as a laptop or a single-host test runs them.
+    The waits (a checkpoint conversion, a server start) run on the gloo world of `host_groups`,
+    with the job's long-wait timeout, never on the default NCCL group."""
     if (cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "disaggregated"
             and parallel.world_size == 1 and not os.environ.get("MEGATRON_RL_HOSTS")):
         engine, transport = build_engine(cfg, model_dir)
@@ -280,14 +286,15 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
         raise ValueError(f"rank {parallel.rank} runs on node {node} but the placement plan puts it on {host} "
                          "(torchrun's --node-rank must follow the plan's host order)")
     role = placement.rollout_role(parallel.rank)
+    world = host_groups.world if host_groups is not None else None
     if cfg.rollout.engine == "sglang":  # one conversion to the FP8 rollout checkpoint, before any owner reads it
         from megatron_rl.rollout.sglang_checkpoint import rollout_checkpoint
 
         if parallel.rank == 0:
             rollout_checkpoint(cfg, model_dir)
-        collectives.barrier(None)
+        collectives.barrier(world)
     engine, transport = build_engine(cfg, model_dir, placement, parallel.rank) if role == "owner" else (None, None)
-    collectives.barrier(None)  # world: owners' servers are healthy (may take minutes on a GPU)
+    collectives.barrier(world)  # owners' servers are healthy (may take minutes on a GPU)
     if role == "client":
         engine, transport = build_sglang(cfg, model_dir, placement, parallel.rank)
     log.info("placement %s", json.dumps({"rank": parallel.rank, "host": host, "pid": os.getpid(),
@@ -296,6 +303,69 @@ def build_rollout(cfg: RunConfig, model_dir: Path, parallel):
                                          "servers": placement.servers_for(parallel.rank)
                                          if role and placement.layout != "embedded" else []}))
     return engine, transport, placement
+
+
+def wire_ipc_gather(cfg: RunConfig, placement, parallel, host_groups, transport):
+    """Colocated tensor transport: every rank of a host sends its own GPU's copy of each bucket to
+    the owner (a gloo group of the host's ranks in GPU order), so each server gets IPC handles on
+    its own GPUs. Collective over the world. Returns this rank's WeightSync peer (None on the owner,
+    which gets the gather, and where nothing is wired: PP > 1 stages hold only their own layers)."""
+    from megatron_rl.sync.sglang_transport import GlooGather, ipc_peer
+
+    if not (placement is not None and placement.layout == "colocated" and cfg.rollout.engine == "sglang"
+            and cfg.rollout.sglang.weight_transport == "tensor" and parallel.pp_size == 1
+            and host_groups.world is not None):
+        return None
+    host = placement.host_of(parallel.rank)
+    group = collectives.gloo_subgroup(list(host.trainer_ranks), host_groups.world,
+                                      timedelta(seconds=host_wait_timeout_s(cfg)))
+    owner = next(r for r in host.trainer_ranks if placement.is_owner(r))
+    if parallel.rank == owner:
+        transport.gather = GlooGather(group, owner)
+        return None
+    return ipc_peer(group, owner)
+
+
+def fp8_kv_cache(cfg: RunConfig) -> bool:
+    """The engine's KV cache is FP8: SGLang's, or the embedded engine's emulation of it."""
+    if cfg.rollout.engine == "sglang":
+        return cfg.rollout.sglang.kv_cache_dtype.startswith("fp8")
+    return cfg.rollout.kv_cache_dtype == "fp8_e4m3"
+
+
+def kv_calibration_for(cfg: RunConfig, num_layers: int, parallel):
+    """actor.kv_amax.KvCalibration when rollout.sglang.kv_scales=calibrated with an FP8 KV cache."""
+    if not fp8_kv_cache(cfg) or cfg.rollout.sglang.kv_scales != "calibrated":
+        return None
+    from megatron_rl.actor.kv_amax import KvCalibration
+
+    return KvCalibration(num_layers, parallel)
+
+
+def kv_scales_source(cfg: RunConfig, num_layers: int, calibration=None):
+    """What WeightSync sends for an FP8 KV cache with every update (a colocated release discards the
+    scales SGLang held): the calibrated scales, or unit ones; None without an FP8 KV cache or with
+    kv_scales=sent (the scales come from elsewhere and the engine checks they came)."""
+    if not fp8_kv_cache(cfg) or cfg.rollout.sglang.kv_scales == "sent":
+        return None
+    from megatron_rl.rollout.sglang_payload import kv_scale_tensors
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # flattened with the weights, on their device
+    if calibration is not None:
+        return lambda: kv_scale_tensors(calibration.scales(), device)
+    return lambda: kv_scale_tensors([(1.0, 1.0)] * num_layers, device)
+
+
+def host_wait_timeout_s(cfg: RunConfig) -> float:
+    """Timeout of the gloo groups that carry long waits: parallel.host_wait_timeout_s, or (0) the
+    longest wait the job can have: a server (re)start plus every attempt of a /generate request at
+    its full timeout, plus 10 minutes; 2 hours with the embedded engine."""
+    if cfg.parallel.host_wait_timeout_s:
+        return cfg.parallel.host_wait_timeout_s
+    if cfg.rollout.engine != "sglang":
+        return 7200.0
+    sg = cfg.rollout.sglang
+    return sg.startup_timeout_s + (sg.max_retries + 1) * sg.request_timeout_s + 600.0
 
 
 def build_controller(cfg: RunConfig):
@@ -309,8 +379,10 @@ def build_actor_settings(cfg: RunConfig):
     the NVTE_* check precedes any TE import."""
     from megatron_rl.actor.settings import check_device, resolve_settings
 
+    from megatron_rl.fp8.te_recipe import wgrad_fusion_available
+
     cuda = torch.cuda.is_available()
-    settings = resolve_settings(cfg, cuda=cuda)
+    settings = resolve_settings(cfg, cuda=cuda, wgrad_fusion=cuda and wgrad_fusion_available())
     if settings.transformer_impl == "transformer_engine":
         from megatron_rl.fp8.te_recipe import require_te
         require_te(build_fp8_recipe(cfg))
@@ -391,12 +463,17 @@ def build_run(cfg: RunConfig) -> Run:
         actor = build_actor(cfg, settings, parallel, model_dir)
         ref = build_reference(cfg, settings, parallel, model_dir)
     # Every rank, in the same order, before the owners go off to start servers (minutes).
-    host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks)
-    engine, transport, placement = build_rollout(cfg, model_dir, parallel)
+    host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks,
+                                               timeout_s=host_wait_timeout_s(cfg))
+    engine, transport, placement = build_rollout(cfg, model_dir, parallel, host_groups)
+    kv_calibration = kv_calibration_for(cfg, actor.spec.num_layers, parallel)
     clients = placement is not None and any(placement.rollout_role(r) == "client"
                                             for r in range(parallel.world_size))
     sync = WeightSync(actor, transport, rollout_quant_spec(cfg),
-                      bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients)
+                      bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients,
+                      wait_group=host_groups.world,
+                      peer=wire_ipc_gather(cfg, placement, parallel, host_groups, transport),
+                      kv_scales=kv_scales_source(cfg, actor.spec.num_layers, kv_calibration))
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save, keep_last=cfg.checkpoint.keep_last)
     start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
@@ -407,4 +484,5 @@ def build_run(cfg: RunConfig) -> Run:
     if parallel.rank == 0:
         save_config(cfg, Path(cfg.log.dir) / "config.yaml")
     return Run(cfg, parallel, tokenizer, loader, actor, engine, sync, build_rewards(cfg),
-               build_controller(cfg), logger, checkpointer, host_groups=host_groups, ref=ref)
+               build_controller(cfg), logger, checkpointer, host_groups=host_groups, ref=ref,
+               kv_calibration=kv_calibration)

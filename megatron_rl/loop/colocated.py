@@ -8,7 +8,12 @@ One RL step, as train.py runs it (design.md section 10; slime's train.py orders 
                                  # BF16 shadow, PPO updates
     memory.before_sync()         # trainer.offload(grads, optimizer); engine.resume_memory(weights)
     sync.sync()                  # trainer parameters -> engine weights
-    memory.after_sync()          # trainer.offload(params); engine.resume_memory(kv_cache)
+    memory.after_sync()          # trainer.offload(params); engine.resume_memory(kv_cache, cuda_graph)
+
+Tags are explicit both ways: SGLang's release with no tags frees every region, CUDA graphs included
+(srt/constants.py GPU_MEMORY_ALL_TYPES, weight_updater.py:343-378), and a resume restores only the
+tags it names (weight_updater.py:383-420); graphs left released are replayed on unmapped memory as
+soon as SGLANG_MEMORY_SAVER_CUDA_GRAPH puts them in the saver's region. They come back with the KV cache.
 
 The parameters leave the device after the sync, not before it: the export all-gathers TP shards
 on the device, and the BF16 parameters are 2 of Megatron's 18 bytes per parameter. The KV cache
@@ -25,14 +30,19 @@ import time
 from megatron_rl import collectives
 
 GB = 1024**3
+RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang srt/constants.py GPU_MEMORY_TYPE_*
+RESUME_AFTER_SYNC = ("kv_cache", "cuda_graph")
+SAVE_RELEASE_TAGS = ("kv_cache", "cuda_graph")  # a checkpoint save between steps: weights stay
 
 
 class ColocatedMemory:
     """Owns the order of release / offload / resume calls; tracks who holds the device."""
 
     def __init__(self, actor, engine, enabled: bool, barrier_after_sync: bool = False,
-                 reference=None) -> None:
+                 reference=None, wait_group=None) -> None:
         self.actor = actor
+        self.wait_group = wait_group
+        """Gloo group of the whole world with the job's long-wait timeout (collectives.HostGroups.world)."""
         self.engine = engine
         self.enabled = enabled
         self.barrier_after_sync = barrier_after_sync
@@ -64,7 +74,7 @@ class ColocatedMemory:
             return {}
         t0 = time.perf_counter()
         if self.engine is not None:
-            self.engine.release_memory()
+            self.engine.release_memory(RELEASE_TAGS)
             self._engine_released = True
         reloaded = self.actor.reload() if self._trainer_offloaded else 0
         self._trainer_offloaded = False
@@ -88,20 +98,33 @@ class ColocatedMemory:
         t0 = time.perf_counter()
         freed = self.actor.offload(("params",))
         if self.engine is not None and self._engine_released:
-            self.engine.resume_memory(("kv_cache",))
+            self.engine.resume_memory(RESUME_AFTER_SYNC)
             self._engine_released = False
         if self.barrier_after_sync:
-            collectives.barrier(None)  # world: every owner's servers can generate again
+            collectives.barrier(self.wait_group)  # world (gloo): every owner's servers can generate again
         return {"memory/params_offloaded_gb": freed / GB, "time/memory_resume": time.perf_counter() - t0}
 
     @contextlib.contextmanager
     def trainer_on_device(self):
-        """The trainer's state on the device for the block (a checkpoint save), as it was after."""
+        """The trainer's state on the device for the block (a checkpoint save), as it was after.
+
+        Between steps the engine holds its weights and KV cache: with the whole trainer back too
+        (Qwen3-8B at 2 nodes: ~74 of 79 GiB) a save runs out of memory. The owners release the KV
+        cache and graphs first (weights stay: no re-sync), every rank waits for them (gloo world),
+        and they come back after the trainer is offloaded again."""
         if not self._trainer_offloaded:
             yield
             return
+        if self.engine is not None:
+            self.engine.release_memory(SAVE_RELEASE_TAGS)
+        collectives.barrier(self.wait_group)  # every owner's servers made room before any reload
         self.actor.reload()
         try:
             yield
         finally:
             self.actor.offload()
+            collectives.barrier(self.wait_group)
+            if self.engine is not None:
+                self.engine.resume_memory(SAVE_RELEASE_TAGS)
+            if self.barrier_after_sync:
+                collectives.barrier(self.wait_group)  # clients generate only once the KV cache is back

@@ -146,6 +146,8 @@ def _sample_round(run, prompts, step: int, index: int) -> _Round:
     salt = run.parallel.dp_rank + 1000 * index  # round 0: the seeds of a run without refill
     samples = _generate_on_engine(run, prompts, step, salt) if run.is_engine_rank else None
     samples = _broadcast_from_engine_rank(samples, run.parallel, run.host_groups)
+    if run.host_groups is not None:  # replicas finish their rollouts apart: wait here (gloo), not in
+        collectives.barrier(run.host_groups.dp)  # the next NCCL data-parallel reduction
     seconds = time.perf_counter() - t0
     accuracy, stats, garbled = _score_on_engine_rank(run, prompts, samples)
     components = {k: stats.pop(k) for k in [k for k, v in stats.items() if isinstance(v, list)]}
@@ -296,15 +298,29 @@ def pad_rows(batch: Batch, multiple: int) -> tuple[Batch, int]:
     return {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:]) * 0]) for k, v in batch.items()}, rows
 
 
+def pad_columns(batch: Batch, multiple: int) -> Batch:
+    """Append masked positions to every [B, S] tensor so S is a multiple of `multiple` (sequence
+    parallel splits the sequence over the TP ranks). Padding has loss_mask 0; attention is causal,
+    so earlier positions' outputs do not change."""
+    width = batch["tokens"].shape[1]
+    extra = -width % multiple
+    if extra == 0:
+        return batch
+    return {k: torch.nn.functional.pad(v, (0, extra)) if v.dim() == 2 and v.shape[1] == width else v
+            for k, v in batch.items()}
+
+
 def _actor_batch(run, batch: Batch):
     """(actor batch, micro_batch_size, restore): sequences packed to the token budget, one packed
-    row per micro-batch (train.max_tokens_per_micro_batch > 0), or rows padded to micro_batch_size;
-    restore maps the actor's per-token outputs back to `batch`'s [B, S] layout."""
+    row per micro-batch (train.max_tokens_per_micro_batch > 0), or rows padded to micro_batch_size
+    (and columns to the TP size under sequence parallel); restore maps the actor's per-token
+    outputs back to `batch`'s [B, S] layout."""
     t = run.cfg.train
-    if t.max_tokens_per_micro_batch == 0:
-        padded, rows = pad_rows(batch, t.micro_batch_size)
-        return padded, t.micro_batch_size, lambda values: values[:rows]
     sp = bool(run.actor.config.sequence_parallel)
+    if t.max_tokens_per_micro_batch == 0:
+        rows, cols = batch["tokens"].shape
+        padded, _ = pad_rows(pad_columns(batch, run.parallel.tp_size if sp else 1), t.micro_batch_size)
+        return padded, t.micro_batch_size, lambda values: values[:rows, :cols]
     multiple = pad_multiple(run.cfg.precision.train_recipe, run.parallel.tp_size, sp)
     packed, index = pack_batch(batch, t.max_tokens_per_micro_batch, multiple)
     return packed, 1, lambda values: unpack(values, index)
@@ -316,6 +332,15 @@ def _logprobs(run, batch: Batch, fp8: bool = True, model=None) -> torch.Tensor:
     out = (model or run.actor).compute_logprobs(actor_batch, micro_batch_size=mbs, with_entropy=False, fp8=fp8,
                                                 logprob_chunk_size=run.cfg.train.logprob_chunk_size)
     return restore(out["logprobs"])
+
+
+def _old_logprobs(run, batch: Batch) -> torch.Tensor:
+    """The trainer's old log-probs; with calibrated FP8 KV scales the same forward records K/V amax."""
+    calibration = getattr(run, "kv_calibration", None)
+    if calibration is None:
+        return _logprobs(run, batch)
+    with calibration.recording(run.actor.model):
+        return _logprobs(run, batch)
 
 
 def _reduce_sum(run, value: float) -> float:
@@ -345,7 +370,7 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float], memo
     if run.cfg.algo.use_rollout_logprobs:
         batch["old_logprobs"] = batch["rollout_logprobs"].clone()
     else:
-        batch["old_logprobs"] = _logprobs(run, batch)
+        batch["old_logprobs"] = _old_logprobs(run, batch)
     metrics["time/old_logprobs"] = time.perf_counter() - t0
     if run.ref is not None:
         _reference(run, batch, metrics, memory)

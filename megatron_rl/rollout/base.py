@@ -93,10 +93,10 @@ class RolloutEngine(abc.ABC):
         engine.resume()
         engine.checksum(names)                          # optional: digests of what is held
 
-    Colocated runs call release_memory() before training, then resume_memory(("weights",)), the
-    weight update, and resume_memory(("kv_cache",)) (megatron_rl/loop/colocated.py owns the order);
-    released weights are discarded (as SGLang's release_memory_occupation), so a full update must
-    follow. tags=None means both regions.
+    Colocated runs call release_memory(("weights", "kv_cache", "cuda_graph")) before training, then
+    resume_memory(("weights",)), the weight update, and resume_memory(("kv_cache", "cuda_graph"))
+    (megatron_rl/loop/colocated.py owns the order); released weights are discarded (as SGLang's
+    release_memory_occupation), so a full update must follow. tags=None means every region.
     """
 
     @abc.abstractmethod
@@ -126,12 +126,12 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def release_memory(self, tags: tuple[str, ...] | None = None) -> None:
-        """Free the "weights" and/or "kv_cache" regions; released weights are lost until the next
-        full update."""
+        """Free the "weights", "kv_cache" and/or "cuda_graph" regions; released weights are lost
+        until the next full update."""
 
     @abc.abstractmethod
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
-        """Re-allocate regions released by release_memory() ("weights", "kv_cache"; None: both)."""
+        """Re-allocate regions released by release_memory() (the tags named; None: every region)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -55,6 +55,14 @@ def spec_from_checkpoint(path: str | Path, precision) -> RolloutQuantSpec:
     return RolloutQuantSpec("fp8_blockwise", block, scale_format, high + tuple(qc.get("modules_to_not_convert") or ()))
 
 
+def served_model_path(cfg) -> str:
+    """The checkpoint the servers were given: MEGATRON_RL_MODEL for disaggregated servers (the serve
+    step loads it first, cluster/launch.py serve_model), else rollout.sglang.model_path ("" = none)."""
+    sg = cfg.rollout.sglang
+    env = os.environ.get("MEGATRON_RL_MODEL", "") if sg.mode == "disaggregated" else ""
+    return env or sg.model_path
+
+
 def rollout_quant_spec(cfg) -> RolloutQuantSpec:
     """What the weight sync sends: from rollout.sglang.model_path when the servers load a given
     checkpoint, else from `precision` (an automatic conversion uses exactly those settings). For
@@ -65,16 +73,19 @@ def rollout_quant_spec(cfg) -> RolloutQuantSpec:
     if cfg.precision.rollout_quant in ("nvfp4", "mxfp4"):
         raise ValueError(f"config key 'precision.rollout_quant': {cfg.precision.rollout_quant!r} (W4A4) is "
                          "emulated by the torch rollout engine only; SGLang takes bf16 or FP8")
-    spec = spec_from_checkpoint(sg.model_path, cfg.precision) if sg.model_path else RolloutQuantSpec.from_config(cfg.precision)
+    # The servers' quantization_config decides (a refused mismatch names both keys): updates in
+    # another block size would load into the wrong scales.
+    served = served_model_path(cfg)
+    spec = spec_from_checkpoint(served, cfg.precision) if served else RolloutQuantSpec.from_config(cfg.precision)
     return dataclasses.replace(spec, unquantized_dtype="bfloat16")
 
 
 def rollout_checkpoint(cfg, model_dir: Path) -> Path:
     """The folder the servers load: rollout.sglang.model_path, or `model_dir` converted to block-FP8
     into <log.dir>/rollout_fp8 when precision.rollout_quant is fp8_blockwise, or `model_dir`."""
-    sg, p = cfg.rollout.sglang, cfg.precision
-    if sg.model_path:
-        return Path(sg.model_path)
+    p = cfg.precision
+    if served_model_path(cfg):  # disaggregated: never a conversion the servers do not load
+        return Path(served_model_path(cfg))
     if p.rollout_quant != "fp8_blockwise":
         return Path(model_dir)
     out = Path(cfg.log.dir) / "rollout_fp8"

@@ -9,7 +9,7 @@ MODES = ("colocated", "disaggregated")
 WEIGHT_TRANSPORTS = ("tensor", "nccl", "disk")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "bfloat16")
 PAUSE_MODES = ("abort", "retract", "in_place")
-KV_SCALES = ("unit", "sent")
+KV_SCALES = ("calibrated", "unit", "sent")
 _ANY_INTERFACE = ("0.0.0.0", "::", "")
 
 
@@ -83,9 +83,12 @@ class SGLangConfig:
     router_request_timeout_s: float = 0.0
     """sglang-router's --request-timeout-secs; 0 = request_timeout_s plus a minute, so the router
     never gives up on a request the client still waits for (the router's own default is 1800 s)."""
-    kv_scales: str = "unit"
-    """FP8 KV cache scales: unit (SGLang's default k_scale = v_scale = 1.0, as slime and miles run it;
-    logged at start) | sent (every weight update must carry k_scale / v_scale tensors)."""
+    kv_scales: str = "calibrated"
+    """FP8 KV cache scales, sent with every weight update (a colocated release discards SGLang's):
+    calibrated (per-layer K/V amax / 448 recorded in the trainer's old-log-prob forward, on the
+    tokens just sampled, as NeMo-RL recalibrates each step; unit until the first recording) | unit
+    (SGLang's default 1.0, as slime and miles run it; logged at start) | sent (k_scale / v_scale come
+    with the weights from elsewhere; every update must carry them)."""
     flush_retries: int = 60
     """/flush_cache attempts, one per second: SGLang refuses it (400) while any request runs, and a
     health-generation probe of the router can be one."""

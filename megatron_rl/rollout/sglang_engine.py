@@ -45,8 +45,24 @@ class RolloutUnavailableError(RuntimeError):
     """No server with the current weights can serve: re-sync the weights and retry the step."""
 
 
+class RolloutRequestError(RuntimeError):
+    """A server or the router refused a /generate request (4xx): another attempt would be refused
+    the same way, so it is reported, never retried."""
+
+
 class _Retryable(RuntimeError):
     pass
+
+
+# 408 (request timeout) and 429 (the router's queue is full) pass with time; other 4xx do not.
+RETRY_4XX = (408, 429)
+_REFUSAL_HINTS = {
+    401: "the API key (MEGATRON_RL_SGLANG_API_KEY) differs from the servers' / router's --api-key",
+    403: "the API key (MEGATRON_RL_SGLANG_API_KEY) differs from the servers' / router's --api-key",
+    400: "the request does not fit the server's GenerateReqInput",
+    422: "the request does not fit sglang-router's typed GenerateRequest (a single sampling_params "
+         "object, input_ids a list or a list of lists)",
+}
 
 
 class SGLangEngine(RolloutEngine):
@@ -72,6 +88,7 @@ class SGLangEngine(RolloutEngine):
         self._pending: int | None = None
         self._session_open = False
         self._kv_scales_sent: set[str] = set()
+        self._weights_released = False  # since the last update: FP8 KV scales went with them
         self._lock = threading.Lock()
         self._restart_locks = {id(s): threading.Lock() for s in self.servers}
         self.stats = {"retries": 0, "restarts": 0, "requests": 0}
@@ -121,8 +138,7 @@ class SGLangEngine(RolloutEngine):
         if self._pending is not None:
             raise RuntimeError(f"generate() during the update to version {self._pending}")
         rows = [(i, list(p), r) for i, p in enumerate(prompts) for r in range(sampling.n)]
-        size = self.cfg.max_batch_per_request
-        chunks = [rows[k:k + size] for k in range(0, len(rows), size)]
+        chunks = request_chunks(rows, sampling, self.cfg.max_batch_per_request)
         workers = max(1, len(self.servers) * self.cfg.requests_per_server)
         with ThreadPoolExecutor(max_workers=min(workers, max(1, len(chunks)))) as pool:
             results = list(pool.map(lambda c: self._run_chunk(c, sampling), chunks))
@@ -137,8 +153,8 @@ class SGLangEngine(RolloutEngine):
                 out = client.post("/generate", body)
                 return [self._to_sample(row, item) for row, item in zip(rows, _as_list(out, len(rows)))]
             except (ServerUnavailable, _Retryable, SGLangHTTPError) as err:
-                if isinstance(err, SGLangHTTPError) and err.status < 500:
-                    raise  # a bad request or a refused key is not fixed by another server
+                if isinstance(err, SGLangHTTPError) and err.status < 500 and err.status not in RETRY_4XX:
+                    raise RolloutRequestError(_refused_message(client.url, err)) from err
                 with self._lock:
                     self.stats["retries"] += 1
                 log.warning("generate on %s failed (attempt %d): %s", client.url, attempt + 1, err)
@@ -156,6 +172,7 @@ class SGLangEngine(RolloutEngine):
                 raise RolloutUnavailableError(
                     f"no SGLang server holds weight version {self._version} (restarted servers hold the "
                     "checkpoint until the next weight update); re-sync the weights and retry the step")
+            # Ties go to the first: the placement lists this rank's own server first (servers_for).
             server = min(current, key=lambda s: s.in_flight)
             server.in_flight += 1
             self.stats["requests"] += 1
@@ -283,9 +300,15 @@ class SGLangEngine(RolloutEngine):
         """Every bucket is in: check FP8 KV scales came along, flush the radix cache, adopt `version`."""
         if self._pending != version:
             raise ValueError(f"finish_update({version}) but the update in progress is {self._pending}")
-        if self.cfg.kv_scales == "sent" and self.cfg.kv_cache_dtype.startswith("fp8") and not self._kv_scales_sent:
-            raise ValueError(f"version {version}: rollout.sglang.kv_scales=sent but no k_scale/v_scale "
-                             "tensors were sent; stale KV scales silently corrupt attention")
+        fp8_kv = self.cfg.kv_cache_dtype.startswith("fp8")
+        if fp8_kv and not self._kv_scales_sent and (self.cfg.kv_scales != "unit" or self._weights_released):
+            # k_scale / v_scale live in SGLang's weight memory (layers/quantization/kv_cache.py:32-46):
+            # a weights release discards them, and the update's end re-derives the scales attention
+            # uses from that memory (kv_cache.py:51-82): they must come with the update.
+            raise ValueError(f"version {version}: an FP8 KV cache needs k_scale/v_scale tensors with this update "
+                             f"(rollout.sglang.kv_scales={self.cfg.kv_scales!r}"
+                             f"{', weights released since the last one' if self._weights_released else ''}); "
+                             "stale KV scales silently corrupt attention")
         if self._session_open:
             self.broadcast("/end_weight_update", {})
             self._session_open = False
@@ -294,6 +317,7 @@ class SGLangEngine(RolloutEngine):
             for s in self.servers:
                 s.version = version
             self._version, self._pending = version, None
+            self._weights_released = False
 
     def flush_cache(self, retry_s: float = 1.0) -> None:
         """/flush_cache on every server, retried: SGLang answers 400 while any request runs or waits,
@@ -326,6 +350,7 @@ class SGLangEngine(RolloutEngine):
         """Colocated: free weights and/or KV cache (SGLang discards the weights: a full update
         follows). Tags as ReleaseMemoryOccupationReqInput.tags (managers/io_struct.py)."""
         self.broadcast("/release_memory_occupation", {"tags": list(tags)} if tags else {})
+        self._weights_released |= not tags or "weights" in tags
 
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
         self.broadcast("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
@@ -340,26 +365,53 @@ class SGLangEngine(RolloutEngine):
             "back; the SGLang transports check updates with check_weights() instead")
 
 
+def _refused_message(url: str, err: SGLangHTTPError) -> str:
+    hint = _REFUSAL_HINTS.get(err.status, "a client error another attempt would repeat")
+    return (f"/generate refused by {url} with HTTP {err.status} (not retried: {hint}); "
+            f"answer: {err.body.strip()[:500]}")
+
+
+def row_sampling_params(row, sampling: SamplingParams) -> dict:
+    """One row's SGLang sampling_params (names of srt/sampling/sampling_params.py)."""
+    index, _, replica = row
+    p = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+         "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos}
+    if sampling.stop_token_ids:
+        p["stop_token_ids"] = sorted(int(t) for t in sampling.stop_token_ids)
+    if sampling.top_k != -1:
+        p["top_k"] = sampling.top_k
+    if sampling.min_p:
+        p["min_p"] = sampling.min_p
+    if sampling.stop:  # SGLang trims the text only; output_ids keep the stop string's tokens
+        p["stop"] = list(sampling.stop)
+    # Distinct per row, else the n replicas would be identical. SGLang uses it only under
+    # --enable-deterministic-inference (rollout.sglang.deterministic_inference); otherwise rows
+    # come from the server's generator and a rerun samples differently.
+    if sampling.seed is not None:
+        p["sampling_seed"] = (sampling.seed * 1_000_003 + index * 1_009 + replica) % 2**31
+    return p
+
+
+def request_chunks(rows, sampling: SamplingParams, max_rows: int) -> list[list]:
+    """Consecutive rows with identical sampling params, at most `max_rows` per request: sglang-router
+    parses one sampling_params object per /generate (sgl-model-gateway src/protocols/generate.rs,
+    `sampling_params: Option<SamplingParams>`) and answers 422 to a list, so a request never mixes
+    params. Per-row seeds make every row its own request; order is kept."""
+    chunks: list[list] = []
+    last = None
+    for row in rows:
+        params = row_sampling_params(row, sampling)
+        if chunks and params == last and len(chunks[-1]) < max_rows:
+            chunks[-1].append(row)
+        else:
+            chunks.append([row])
+        last = params
+    return chunks
+
+
 def _generate_body(rows, sampling: SamplingParams) -> dict:
-    params = []
-    for index, _, replica in rows:
-        p = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-             "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos}
-        if sampling.stop_token_ids:
-            p["stop_token_ids"] = sorted(int(t) for t in sampling.stop_token_ids)
-        if sampling.top_k != -1:
-            p["top_k"] = sampling.top_k
-        if sampling.min_p:
-            p["min_p"] = sampling.min_p
-        if sampling.stop:  # SGLang trims the text only; output_ids keep the stop string's tokens
-            p["stop"] = list(sampling.stop)
-        # Distinct per row, else the n replicas would be identical. SGLang uses it only under
-        # --enable-deterministic-inference (rollout.sglang.deterministic_inference); otherwise rows
-        # come from the server's generator and a rerun samples differently.
-        if sampling.seed is not None:
-            p["sampling_seed"] = (sampling.seed * 1_000_003 + index * 1_009 + replica) % 2**31
-        params.append(p)
-    return {"input_ids": [prompt for _, prompt, _ in rows], "sampling_params": params,
+    """One /generate body: a batch of input_ids and the single sampling_params they share."""
+    return {"input_ids": [prompt for _, prompt, _ in rows], "sampling_params": row_sampling_params(rows[0], sampling),
             "return_logprob": True, "logprob_start_len": -1}
 
 

@@ -76,3 +76,15 @@ def serialize_flattened(flat: torch.Tensor, metadata) -> str:
     buf = io.BytesIO()
     ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def kv_scale_tensors(scales: list[tuple[float, float]], device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """(k_scale, v_scale) per layer -> float32 scalars under the names SGLang's loader maps onto each
+    attention's parameters (model_loader/weight_utils.py:1816-1844, maybe_remap_kv_scale_name:
+    `model.layers.i.self_attn.k_scale` -> `model.layers.i.self_attn.attn.k_scale`)."""
+    out = []
+    for i, (k, v) in enumerate(scales):
+        out += [(f"model.layers.{i}.self_attn.{leaf}", torch.tensor(float(x), dtype=torch.float32, device=device))
+                for leaf, x in (("k_scale", k), ("v_scale", v))]
+    return out
+

@@ -89,9 +89,22 @@ class Server:
         return self.client.url
 
 
+# SGLang 0.5.23 precompiles DeepGEMM kernels for every M up to 16K before serving when
+# SGLANG_JIT_DEEPGEMM_PRECOMPILE is on (its default, srt/environ.py:1369), "typically 10-20 mins"
+# (srt/layers/deep_gemm_wrapper/compile_utils.py:158-178) and again whenever the job's cache folder
+# is fresh; slime turns it off and warms up fast instead (compile_utils.py:47). Kernels then compile
+# on first use of each shape. An explicit value in the environment wins.
+SERVER_ENV_DEFAULTS = {
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",  # /health = liveness only
+    "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "false",
+    "SGLANG_JIT_DEEPGEMM_FAST_WARMUP": "true",
+}
+
+
 def launch_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")  # /health = liveness only
+    for key, value in SERVER_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
     return env
 
 

@@ -119,6 +119,7 @@ class TorchRolloutEngine(RolloutEngine):
         seed: int = 0,
         max_batch_size: int | None = None,
         tokenizer: Any = None,
+        kv_cache_dtype: str = "auto",
     ):
         _check_choice("rollout_quant", rollout_quant, ROLLOUT_QUANTS)
         _check_choice("scale_format", scale_format, SCALE_FORMATS)
@@ -149,6 +150,10 @@ class TorchRolloutEngine(RolloutEngine):
         self._paused = self._released = self._needs_full_update = self._shut_down = False
         self._kv_released = False  # generate() allocates its cache; released = not allowed to
         self._released_shapes: dict[str, tuple[torch.Size, tuple[int, ...]]] = {}
+        _check_choice("kv_cache_dtype", kv_cache_dtype, ("auto", "fp8_e4m3"))
+        # fp8_e4m3: SGLang's FP8 KV cache emulated (rollout/fp8_kv_cache.py), unit scales until synced.
+        self.kv_scales = ([[1.0, 1.0] for _ in range(self.config.num_hidden_layers)]
+                          if kv_cache_dtype == "fp8_e4m3" else None)
 
     # ---- construction helpers ------------------------------------------------------------
 
@@ -260,7 +265,11 @@ class TorchRolloutEngine(RolloutEngine):
 
         ids, mask = self._left_pad([prompt for _, prompt in rows])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
+        if self.kv_scales is None:
+            cache = DynamicCache(config=self.config)
+        else:
+            from megatron_rl.rollout.fp8_kv_cache import Fp8KvCache
+            cache = Fp8KvCache([list(s) for s in self.kv_scales], config=self.config)
         stop_ids = self._stop_ids(sampling)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         lengths = torch.full((len(rows),), sampling.max_new_tokens, dtype=torch.long, device=self.device)
@@ -365,6 +374,8 @@ class TorchRolloutEngine(RolloutEngine):
             raise ValueError(f"bucket of version {version} while version {self._pending_version} is in progress")
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if self.kv_scales is not None and self._load_kv_scale(name, tensor):
+            return
         module_name, _, leaf = name.rpartition(".")
         is_fp8_part = tensor.dtype in FP8_DTYPES or leaf in ("weight_scale_inv", "weight_scale")
         if is_fp8_part and self.rollout_quant in FP4_QUANTS:
@@ -384,6 +395,15 @@ class TorchRolloutEngine(RolloutEngine):
             )
         else:
             self._load_high_precision(name, tensor)
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        from megatron_rl.rollout.fp8_kv_cache import layer_of
+
+        where = layer_of(name)
+        if where is None:
+            return False
+        self.kv_scales[where[0]][where[1]] = float(tensor)
+        return True
 
     def _stage_fp8(self, module_name: str, leaf: str, tensor: torch.Tensor) -> None:
         """Hold one half of an FP8 pair until the other arrives (a pair may span buckets)."""
@@ -504,10 +524,17 @@ class TorchRolloutEngine(RolloutEngine):
         """{HF name: tensor_digest(held tensor)}; FP8 linears hold `X.weight` (FP8) and its scale."""
         self._require_alive()
         wanted = list(self._held) if names is None else list(names)
-        unknown = [n for n in wanted if n not in self._held]
+        scales = self._kv_scale_tensors()
+        unknown = [n for n in wanted if n not in self._held and n not in scales]
         if unknown:
             raise ValueError(f"checksum of unknown tensor(s) {unknown[:8]}")
-        return {n: tensor_digest(self._held[n]) for n in wanted}
+        return {n: tensor_digest(self._held[n] if n in self._held else scales[n]) for n in wanted}
+
+    def _kv_scale_tensors(self) -> dict[str, torch.Tensor]:
+        """The emulated FP8 KV cache's scales as the sync sent them (float32 scalars)."""
+        from megatron_rl.rollout.sglang_payload import kv_scale_tensors
+
+        return dict(kv_scale_tensors(self.kv_scales)) if self.kv_scales is not None else {}
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -516,9 +543,13 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _check_tags(tags: tuple[str, ...] | None) -> tuple[str, ...]:
-    """SGLang's memory regions (constants.py GPU_MEMORY_TYPE_*); None = both."""
-    tags = ("weights", "kv_cache") if tags is None else tuple(tags)
-    bad = [t for t in tags if t not in ("weights", "kv_cache")]
+    """SGLang's memory regions (constants.py GPU_MEMORY_TYPE_*); None = all. This engine captures
+    no CUDA graphs: "cuda_graph" is accepted and holds nothing."""
+    tags = MEMORY_TAGS if tags is None else tuple(tags)
+    bad = [t for t in tags if t not in MEMORY_TAGS]
     if bad:
-        raise ValueError(f"memory tags {bad} are not 'weights' or 'kv_cache'")
+        raise ValueError(f"memory tags {bad} are not among {list(MEMORY_TAGS)}")
     return tags
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

@@ -59,21 +59,28 @@ class SGLangTensorTransport:
     (update_weights_from_tensor, load_format flattened_bucket). The buffer is never reused: SGLang
     answers before its device copy is done, so writing into the buffer again could corrupt weights.
 
-    Every TP rank of a server needs an IPC handle of a buffer on its own GPU: with tp_size > 1,
-    `gather(payload) -> list[str] | None` collects each rank's payload on the sending rank (see
-    `gloo_gather`) and returns None on the other ranks. With tp_size == 1 it is not needed.
+    Every TP rank of a server needs an IPC handle of a buffer on its own GPU (a handle to another
+    GPU's buffer costs that server a CUDA context on the other GPU and a cross-GPU copy):
+    `gather(payload) -> list[str] | None` collects the payloads on the sending rank (see
+    `GlooGather`; the other ranks run `ipc_peer`), either one per GPU of the host in GPU order
+    (server i, on GPUs i*tp .. i*tp+tp-1, gets that slice, as slime hands each engine the handles
+    of its own GPUs) or one per TP rank of a single server group.
     """
 
     def __init__(self, engine, check: bool = False, gather=None):
-        if gather is None and any(s.tp_size > 1 for s in engine.servers):
-            raise ValueError("rollout.sglang.tp_size > 1 with the tensor transport: SGLang's TP rank r opens "
-                             "only payload r (managers/tp_worker.py deserialize_own_rank), a handle of memory on "
-                             "its own GPU; give the transport a gather over the server's GPUs (gloo_gather)")
         self.engine = engine
         self.gather = gather
+        """Set by loop.build.wire_ipc_gather on a colocated host (every rank's own GPU copy)."""
         self.checked = _Checked(engine, check)
 
+    def _check_gather(self) -> None:
+        if self.gather is None and any(s.tp_size > 1 for s in self.engine.servers):
+            raise ValueError("rollout.sglang.tp_size > 1 with the tensor transport: SGLang's TP rank r opens "
+                             "only payload r (managers/tp_worker.py deserialize_own_rank), a handle of memory on "
+                             "its own GPU; give the transport a gather over the server's GPUs (GlooGather)")
+
     def begin(self, version: int) -> None:
+        self._check_gather()
         self.engine.pause()
         self.engine.flush_cache()
         self.engine.begin_update(version)
@@ -86,12 +93,14 @@ class SGLangTensorTransport:
         payloads = self.gather(payload) if self.gather is not None else None
         if self.gather is not None and payloads is None:
             return  # a non-sending rank of the gather group
-        for server in self.engine.servers:
-            per_rank = payloads if payloads is not None else [payload]
+        for index, server in enumerate(self.engine.servers):
+            per_rank = payloads_for_server(payloads, index, server.tp_size) if payloads is not None else [payload]
             self.engine.broadcast("/update_weights_from_tensor", {
                 "serialized_named_tensors": per_rank, "load_format": LOAD_FORMAT,
                 "flush_cache": False, "weight_version": str(version)}, servers=[server])
         self.checked.record(bucket)
+        if hasattr(self.gather, "done"):
+            self.gather.done()  # the peers may drop their buffers: every server has opened its handle
         del flat  # the consumer holds its own reference to the IPC memory now
 
     def finish(self, version: int) -> None:
@@ -104,13 +113,47 @@ class SGLangTensorTransport:
         return self.checked.verify(names)
 
 
-def gloo_gather(group, src: int):
-    """gather(payload) for SGLangTensorTransport: every rank of `group` (the GPUs of one server, a
-    gloo group) calls it; the src rank gets the list in group-rank order, the others None."""
-    def gather(payload: str):
-        return collectives.gather_objects(payload, src, group)
+def payloads_for_server(payloads: list[str], index: int, tp_size: int) -> list[str]:
+    """Server `index`'s payloads, one per TP rank: the whole list when it holds one server group's
+    (len == tp_size), else the slice of its GPUs (servers numbered from GPU 0, tp_size GPUs each)."""
+    if len(payloads) == tp_size:
+        return payloads
+    part = payloads[index * tp_size:(index + 1) * tp_size]
+    if len(part) != tp_size:
+        raise ValueError(f"{len(payloads)} gathered payloads hold no slice for server {index} "
+                         f"(tp_size {tp_size}): the gather group must cover every GPU of the host")
+    return part
 
-    return gather
+
+class GlooGather:
+    """gather(payload) for SGLangTensorTransport: every rank of `group` (gloo; the host's ranks in
+    GPU order, or one server's) calls it; global rank `src` gets the list in group-rank order, the
+    others None. `done()` ends a bucket on every rank (the peers' buffers stay alive until then)."""
+
+    def __init__(self, group, src: int):
+        self.group, self.src = group, src
+
+    def __call__(self, payload: str):
+        return collectives.gather_objects(payload, self.src, self.group)
+
+    def done(self) -> None:
+        collectives.barrier(self.group)
+
+
+def ipc_peer(group, src: int):
+    """peer(bucket) for WeightSync on the non-sending ranks of a GlooGather group: this rank's
+    copy of the bucket, flattened on its own GPU, goes to the sender as an IPC payload; the buffer
+    is kept until the sender has handed it to the servers."""
+    gather = GlooGather(group, src)
+
+    def peer(bucket: list[NamedTensor]) -> None:
+        flat, metadata = flatten_bucket(bucket)
+        if flat.is_cuda:
+            _sglang.patch_cuda_ipc_reductions()
+        gather(serialize_flattened(flat, metadata))
+        gather.done()
+
+    return peer
 
 
 class SGLangNcclTransport:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -33,20 +34,32 @@ class WeightSync:
 
     wait_for_owners: every rank ends sync() at a world barrier, so a client rank (sampling through
     SGLang servers another rank owns, megatron_rl.cluster.placement) never generates during their update.
+    wait_group: the group of that barrier: the gloo world of collectives.HostGroups (an owner's update
+    can outlast NCCL's watchdog); None: the default group.
     """
 
     def __init__(self, actor, transport: WeightTransport | None, quant: RolloutQuantSpec,
-                 bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False) -> None:
+                 bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False,
+                 wait_group=None, peer=None, kv_scales=None) -> None:
         self.actor = actor
         self.transport = transport
         self.quant = quant
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.check = check
         self.wait_for_owners = wait_for_owners
+        self.wait_group = wait_group
+        self.peer = peer
+        self.kv_scales = kv_scales
+        """kv_scales() -> [(name, float32 scalar)]: an FP8 KV cache's k_scale / v_scale per layer,
+        sent with every sync after the weights (pipeline stage 0's buckets: one copy)."""
+        """peer(bucket) on a rank without a transport whose GPU copy feeds a server by CUDA IPC
+        (sync.sglang_transport.ipc_peer); None elsewhere."""
         self.version = 0
 
     def _local_buckets(self) -> Iterator[list[NamedTensor]]:
         named = quantize_for_rollout(self.actor.export_hf_weights(), self.quant)
+        if self.kv_scales is not None and self.actor.parallel.pp_rank == 0:
+            named = itertools.chain(named, self.kv_scales())
         return iter_buckets(named, self.bucket_bytes)
 
     def _all_buckets(self) -> Iterator[list[NamedTensor]]:
@@ -66,6 +79,8 @@ class WeightSync:
             self.transport.begin(version)
         for bucket in self._all_buckets():
             if self.transport is None:
+                if self.peer is not None:
+                    self.peer(bucket)
                 continue  # a non-engine rank still drives the collectives inside the generator
             self.transport.send(bucket, version)
             sent_bytes += sum(tensor_bytes(t) for _, t in bucket)
@@ -82,7 +97,7 @@ class WeightSync:
         if self.check and self.transport is not None:
             metrics["sync/check_mismatches"] = float(self._verify(digests))
         if self.wait_for_owners:
-            collectives.barrier(None)  # world: the owners' pause -> update -> continue is over
+            collectives.barrier(self.wait_group)  # world: the owners' pause -> update -> continue is over
         return metrics
 
     def _verify(self, digests: dict[str, str]) -> int:

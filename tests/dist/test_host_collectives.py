@@ -44,3 +44,40 @@ def test_one_process_is_a_no_op():
     assert collectives.all_reduce(t, None) is t and t.item() == 2.0
     assert collectives.broadcast_object("x", 0, None) == "x"
     assert collectives.gather_objects("x", 0, None) == ["x"]
+
+
+def _long_wait_worker(rank: int, world_size: int) -> dict:
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_rl import collectives
+
+    # The default group's timeout stands for NCCL's watchdog: shorter than the waits below.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=2))
+    long = collectives.make_host_groups([rank], [0, 1], timeout_s=60.0)
+    short = collectives.make_host_groups([rank], [0, 1], timeout_s=1.0)
+    out = {"mp": collectives.group_ranks(long.mp), "dp": collectives.group_ranks(long.dp)}
+    if rank == 1:
+        time.sleep(5.0)  # a server start / a rollout tail on the other rank
+    t0 = time.perf_counter()
+    collectives.barrier(long.world)  # outlasts the default group's 2 s: fine on the host world
+    out["waited_s"] = time.perf_counter() - t0
+    if rank == 1:
+        time.sleep(4.0)
+    try:
+        collectives.barrier(short.dp)
+        out["short"] = "passed"
+    except RuntimeError as err:  # gloo: "Timed out waiting 1000ms"
+        out["short"] = "timed out" if "imed out" in str(err) else str(err)
+    if rank == 0:
+        time.sleep(5.0)  # let rank 1 leave its barrier before the group goes
+    return out
+
+
+def test_host_groups_wait_as_long_as_their_own_timeout():
+    r0, r1 = run_distributed(_long_wait_worker, world_size=2, timeout_s=120)
+    assert (r0["mp"], r1["mp"], r0["dp"]) == ([0], [1], [0, 1])
+    assert r0["waited_s"] > 4.0  # rank 0 waited for rank 1's 5 s past the default group's 2 s
+    assert r0["short"] == "timed out"  # and a group's own timeout still catches a hang

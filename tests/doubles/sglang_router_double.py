@@ -13,18 +13,20 @@ Behaviours (sgl-router / sgl-model-gateway, RouterArgs in sglang_router/router_a
   KEY`; without it, workers started with --api-key answer 401, which the router passes back.
 - `--request-timeout-secs` (default 1800) bounds one forwarded request; past it the router answers
   504 although the worker may still be generating (a 16K-token rollout can take longer).
-- /generate goes to the worker with the fewest requests in flight (ties: round robin); /health
-  answers 200 while the router runs; /workers lists the worker URLs. Other paths are not proxied.
+- /generate is parsed as the gateway's typed GenerateRequest and forwarded re-serialized (fields it
+  does not define dropped); a body that does not fit (a list of sampling_params) is answered 422
+  before any worker sees it; routing follows --policy (cache_aware, the default, or round_robin):
+  router_protocol.py transcribes both, with their source files.
+- /health answers 200 while the router runs; /workers lists the worker URLs. Other paths are not
+  proxied. GET /double/routed (the double's own) answers how many requests went to each worker.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import socket
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -32,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from double_http import QuietHandler, serve  # noqa: E402
+from router_protocol import Balancer, Unprocessable, decode, parse_generate  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,21 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Router:
     def __init__(self, args):
         self.args = args
-        self.in_flight = {u.rstrip("/"): 0 for u in args.worker_urls}
-        self.turn = itertools.count()
-        self.lock = threading.Lock()
+        self.balancer = Balancer(args.policy, [u.rstrip("/") for u in args.worker_urls])
 
-    def pick(self) -> str:
-        with self.lock:
-            least = min(self.in_flight.values())
-            tied = [u for u, n in self.in_flight.items() if n == least]
-            url = tied[next(self.turn) % len(tied)]
-            self.in_flight[url] += 1
-            return url
-
-    def forward(self, path: str, data: bytes) -> tuple[int, bytes]:
-        url = self.pick()
-        req = urllib.request.Request(url + path, data=data, method="POST")
+    def forward(self, path: str, body: dict) -> tuple[int, bytes]:
+        url = self.balancer.acquire(body)
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
         req.add_header("Content-Type", "application/json")
         if self.args.api_key:
             req.add_header("Authorization", f"Bearer {self.args.api_key}")
@@ -80,8 +73,7 @@ class Router:
         except (urllib.error.URLError, ConnectionError) as err:
             return 502, json.dumps({"error": f"worker {url} unreachable: {err}"}).encode()
         finally:
-            with self.lock:
-                self.in_flight[url] -= 1
+            self.balancer.release(url)
 
 
 def make_handler(router: Router):
@@ -91,14 +83,23 @@ def make_handler(router: Router):
             if path in ("/health", "/readiness", "/liveness"):
                 return self.reply(200, b"")
             if path == "/workers":
-                return self.reply(200, {"urls": list(router.in_flight)})
+                return self.reply(200, {"urls": list(router.balancer.load)})
+            if path == "/double/routed":
+                return self.reply(200, dict(router.balancer.routed))
             self.reply(404, {"error": "not found"})
 
         def do_POST(self):
             data = self.body()
             if self.path.split("?")[0] != "/generate":
                 return self.reply(404, {"error": "the router double proxies /generate only"})
-            self.reply(*router.forward("/generate", data))
+            status, body = decode(data, self.headers.get("Content-Type"))
+            if status != 200:
+                return self.reply(status, body)
+            try:
+                typed = parse_generate(body)
+            except Unprocessable as err:
+                return self.reply(422, str(err))
+            self.reply(*router.forward("/generate", typed))
 
     return Handler
 

@@ -42,7 +42,14 @@ sglang/srt/, version 0.5.23):
 - release/resume_memory_occupation with tags (weights, kv_cache, cuda_graph; none = all), only when
   idle (weight_updater.py:337-420). Released weights are discarded (torch_memory_saver without CPU
   backup): after resume they hold garbage (zeros here) until the next update. /generate while weights or the KV
-  cache are released would touch unmapped memory in SGLang; here it is refused with 400.
+  cache are released would touch unmapped memory in SGLang; here it is refused with 400. A resume
+  restores only the tags it names (weight_updater.py:383-420); with SGLANG_MEMORY_SAVER_CUDA_GRAPH
+  set (and graphs on) the graphs live in the "cuda_graph" region (runner_backend/
+  cuda_graph_dedup_mixin.py:298-337), and /generate while it is released answers 500 (an illegal
+  memory access in SGLang).
+- FP8 KV cache (--kv-cache-dtype fp8*): per-layer k_scale / v_scale in weight memory, discarded by a
+  weights release, renamed from `self_attn.k_scale` on load, re-derived at every update's end
+  (KvScales in sglang_server_state.py, kv_cache.py:32-82); GET /_double/kv_scales shows them.
 - load_weights with SGLang's name mapping per architecture (see sglang_weights_double.py).
 - sampling_seed is honoured only with --enable-deterministic-inference
   (sampling/sampling_batch_info.py:157-171); otherwise the server's own generator (--random-seed).

@@ -69,7 +69,14 @@ class ServerState:
         self.weight_version = args.weight_version
         self.session: dict | None = None
         self.paused, self.abort_epoch, self.in_flight = False, 0, 0
+        self.kv = KvScales(self.config["num_hidden_layers"]) if args.kv_cache_dtype.startswith("fp8") else None
         self.released: set[str] = set()
+        # CUDA graphs live in torch_memory_saver's "cuda_graph" region only when the server starts
+        # with SGLANG_MEMORY_SAVER_CUDA_GRAPH set and graphs on (runner_backend/
+        # cuda_graph_dedup_mixin.py:298-337, full_cuda_graph_backend.py:123-191); releasing that tag
+        # then unmaps the graphs' memory, which a decode replay touches until it is resumed.
+        self.graphs_in_saver = (os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "").lower() in ("1", "true")
+                                and "--disable-cuda-graph" not in args.ignored)
         self.groups: dict = {}
         self.cond = threading.Condition()
         self.gen_lock = threading.Lock()
@@ -120,6 +127,9 @@ class ServerState:
     def generate(self, body):
         if self.released & {"weights", "kv_cache"}:
             raise BadRequest(f"memory released ({sorted(self.released)}): resume_memory_occupation first")
+        if "cuda_graph" in self.released and self.graphs_in_saver:
+            return 500, {"error": "CUDA error: an illegal memory access was encountered (CUDA graph "
+                                  "replayed on released memory: resume tags=['cuda_graph'] first)"}
         with self.cond:
             self.cond.wait_for(lambda: not self.paused)
             self.in_flight += 1
@@ -208,6 +218,8 @@ class ServerState:
         if "weights" in tags:
             for p in self.params.values():
                 p.data.zero_()  # discarded: what the GPU pages hold after resume is not the weights
+            if self.kv is not None:
+                self.kv.discard()
             self.dirty = True
         return 200, None
 
@@ -231,6 +243,8 @@ class ServerState:
         if self.session is None:
             return _fail("no weight-update session is open; call begin_weight_update() first")
         self.session = None
+        if self.kv is not None:
+            self.kv.postprocess()
         return _ok()
 
     def update_weights_from_tensor(self, body):
@@ -253,15 +267,25 @@ class ServerState:
             bucket = []
         return self._load(bucket, body)  # every rank holds the same (unsharded, here) weights
 
+    def _scales_out(self, bucket):
+        """k_scale / v_scale go to the attention layers' scale memory, the rest to load_weights."""
+        if self.kv is None:
+            return bucket
+        return [(n, t) for n, t in bucket if not self.kv.load(n, t)]
+
+    def double_kv_scales(self, body):
+        """Test introspection: the (k, v) scale floats attention uses, per layer."""
+        return 200, self.kv.effective if self.kv is not None else []
+
     def _apply_deferred(self):
         with self.cond:
             pending, self.deferred = self.deferred, []
         for bucket in pending:
-            weights.load_weights(self.arch, self.params, bucket)
+            weights.load_weights(self.arch, self.params, self._scales_out(bucket))
             self.dirty = True
 
     def _load(self, bucket, body):
-        weights.load_weights(self.arch, self.params, bucket)
+        weights.load_weights(self.arch, self.params, self._scales_out(bucket))
         self.dirty = True
         self.session["loaded"] = True
         if body.get("weight_version") is not None:
@@ -317,7 +341,9 @@ class ServerState:
 
     def update_weights_from_disk(self, body):
         folder = body["model_path"]
-        weights.load_weights(self.arch, self.params, _read_checkpoint(folder).items())
+        weights.load_weights(self.arch, self.params, self._scales_out(list(_read_checkpoint(folder).items())))
+        if self.kv is not None:
+            self.kv.postprocess()  # load_weights_and_postprocess, as at the end of a session
         self.dirty = True
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
@@ -356,7 +382,7 @@ ROUTES = {"/health": ServerState.health, "/health_generate": ServerState.health_
           "/init_weights_update_group": ServerState.init_weights_update_group,
           "/destroy_weights_update_group": ServerState.destroy_weights_update_group,
           "/weights_checker": ServerState.weights_checker, "/_double/log": ServerState.double_log,
-          "/_double/hf_digests": ServerState.double_hf_digests}
+          "/_double/hf_digests": ServerState.double_hf_digests, "/_double/kv_scales": ServerState.double_kv_scales}
 
 
 def validate_body(path: str, body: dict) -> None:
@@ -418,3 +444,47 @@ def _make_engine(config: dict, seed: int) -> TorchRolloutEngine:
     return TorchRolloutEngine(model, rollout_quant="fp8_blockwise", weight_block_size=block, seed=seed,
                               scale_format="ue8m0" if qc.get("scale_fmt") == "ue8m0" else "fp32",
                               high_precision=high)
+
+
+# What torch_memory_saver's released pages hold after a resume without a CPU backup: anything. A
+# positive value, so SGLang's re-derivation below keeps it (zeros would fall back to 1.0).
+DISCARDED_SCALE = 0.0137
+
+
+class KvScales:
+    """An FP8 KV cache's per-layer k_scale / v_scale (SGLang 0.5.23):
+    - parameters of each RadixAttention, in weight memory, created at -1.0
+      (layers/quantization/kv_cache.py:32-46): a weights release discards them with the weights;
+    - an incoming `....k_scale` / `.v_scale` is renamed to `.attn.k_scale` (model_loader/
+      weight_utils.py:1816-1844, maybe_remap_kv_scale_name) and loaded into them;
+    - at the end of every update DefaultModelLoader.postprocess_weights runs the quant method's
+      process_weights_after_loading (model_runner_components/weight_updater.py:317-322), which
+      re-derives the floats attention uses from that memory: both > 0 -> as held, both <= 0 -> 1.0,
+      else the larger of the two for both (kv_cache.py:51-82)."""
+
+    def __init__(self, num_layers: int):
+        self.held = [[-1.0, -1.0] for _ in range(num_layers)]
+        self.postprocess()
+
+    def load(self, name: str, tensor) -> bool:
+        leaf = name.rpartition(".")[2]
+        if leaf not in ("k_scale", "v_scale") or ".layers." not in name:
+            return False
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        self.held[layer][leaf == "v_scale"] = float(tensor)
+        return True
+
+    def discard(self) -> None:
+        self.held = [[DISCARDED_SCALE, DISCARDED_SCALE] for _ in self.held]
+
+    def postprocess(self) -> None:
+        out = []
+        for k, v in self.held:
+            if k > 0 and v > 0:
+                out.append([k, v])
+            elif k <= 0 and v <= 0:
+                out.append([1.0, 1.0])
+            else:
+                out.append([max(k, v)] * 2)
+        self.effective = out
+

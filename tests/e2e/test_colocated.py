@@ -17,9 +17,9 @@ RECORDED = {
 }
 # One RL step: rollout, engine out, trainer in, old log-probs (+ BF16 shadow), two PPO
 # mini-batches, trainer state out, engine weights in, sync, parameters out, KV cache in.
-STEP = ["generate", "release_memory()", "reload", "compute_logprobs", "compute_logprobs",
+STEP = ["generate", "release_memory(('weights', 'kv_cache', 'cuda_graph'))", "reload", "compute_logprobs", "compute_logprobs",
         "train_step", "train_step", "offload(('grads', 'optimizer'))", "resume_memory(('weights',))",
-        "sync", "finish_update", "offload(('params',))", "resume_memory(('kv_cache',))"]
+        "sync", "finish_update", "offload(('params',))", "resume_memory(('kv_cache', 'cuda_graph'))"]
 
 
 @pytest.fixture
@@ -49,6 +49,8 @@ def test_colocated_protocol_order_in_the_loop(tmp_path, calls):
     # update); the BF16 forward at the current weights right before the calibration mini-batch's
     # update (the last one); its FP8 ratio comes from that update's own forward.
     step = STEP[:6] + ["compute_logprobs"] + STEP[6:]
-    end = ["reload", "save_checkpoint", "offload()"]  # the final save: trainer in, then out again
+    # The final save: the engine's KV cache and graphs out, trainer in, then out again, KV cache back.
+    end = ["release_memory(('kv_cache', 'cuda_graph'))", "reload", "save_checkpoint", "offload()",
+           "resume_memory(('kv_cache', 'cuda_graph'))"]
     assert calls == start + step + step + end
     assert records[-1]["memory/trainer_offloaded_gb"] > 0 and records[-1]["sync/check_mismatches"] == 0

@@ -59,3 +59,26 @@ def test_tiny_loop_against_sglang_doubles(tmp_path_factory, monkeypatch, mode, r
         assert r["sync/check_mismatches"] == 0.0 and math.isfinite(r["reward/mean"])
     if recipe == "fp8":
         assert (log_dir / "rollout_fp8" / "config.json").is_file()  # the servers started from block-FP8
+
+
+@pytest.mark.timeout(300)
+def test_fp8_kv_cache_syncs_calibrated_scales(tmp_path, monkeypatch):
+    """Colocated, FP8 KV cache: the start-up sync carries unit scales, every later one the K/V amax
+    the old-log-prob pass recorded (/ 448), and the servers take them with the weights."""
+    from megatron_rl.actor import kv_amax
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl.train import run
+
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
+    sent = []
+    scales = kv_amax.KvCalibration.scales
+    monkeypatch.setattr(kv_amax.KvCalibration, "scales", lambda self: sent.append(scales(self)) or sent[-1])
+    cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*TINY, *sglang_overrides("colocated"), "train.num_steps=2",
+                                                         "rollout.sglang.kv_cache_dtype=fp8_e4m3", f"log.dir={tmp_path}"])
+    try:
+        run(cfg)
+    finally:
+        destroy_parallel()
+    assert len(sent) == 3 and sent[0] == [(1.0, 1.0)] * len(sent[0])  # start-up sync, then one per step
+    for per_layer in sent[1:]:
+        assert all(0 < k < 1 and 0 < v < 1 for k, v in per_layer) and len(set(per_layer)) > 1

@@ -104,3 +104,46 @@ def test_disk_transport_update(engine, model_dir, tmp_path):
         transport.send(bucket, version)
     transport.finish(version)
     assert engine.weight_version == version
+
+
+def test_fp8_kv_cache_graphs_and_the_split_resume(model_dir, tmp_path, monkeypatch):
+    """The colocated protocol on a block-FP8 server with an FP8 KV cache and CUDA graphs captured in
+    the memory saver: release every tag, resume the weights, an FP8 update with unit KV scales in
+    the session, resume KV cache + graphs; greedy output is back to what it was."""
+    import json
+
+    from megatron_rl.convert.hf_to_fp8 import convert_hf_to_fp8
+    from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
+    from megatron_rl.loop.colocated import RELEASE_TAGS, RESUME_AFTER_SYNC
+    from megatron_rl.rollout.base import SamplingParams
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.sglang_payload import kv_scale_tensors
+    from megatron_rl.sync.buckets import iter_buckets
+    from megatron_rl.sync.sglang_transport import SGLangTensorTransport
+
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")  # the server inherits it
+    fp8_dir = tmp_path / "fp8"
+    convert_hf_to_fp8(model_dir, fp8_dir, block_size=(128, 128))
+    cfg = SGLangConfig(mode="colocated", base_port=_port(), mem_fraction_static=0.3, kv_cache_dtype="fp8_e4m3",
+                       extra_args=["--skip-server-warmup", "--cuda-graph-max-bs", "4"])
+    engine = SGLangEngine(cfg, fp8_dir, log_dir=tmp_path)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+        before = engine.generate([[5, 6, 7]], greedy)[0]
+        engine.release_memory(RELEASE_TAGS)
+        engine.resume_memory(("weights",))
+        layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+        named = list(quantize_for_rollout(_weights(model_dir, 1.0), RolloutQuantSpec("fp8_blockwise", (128, 128))))
+        named += kv_scale_tensors([(1.0, 1.0)] * layers, "cuda")
+        transport = SGLangTensorTransport(engine)
+        version = engine.weight_version + 1
+        transport.begin(version)
+        for bucket in iter_buckets(named, 1 << 20):
+            transport.send(bucket, version)
+        transport.finish(version)
+        engine.resume_memory(RESUME_AFTER_SYNC)
+        after = engine.generate([[5, 6, 7]], greedy)[0]
+        assert after.response_ids == before.response_ids
+    finally:
+        engine.shutdown()

@@ -86,3 +86,29 @@ def test_nvfp4_needs_blackwell_and_mxfp4_is_cpu_only():
         resolve_settings(_cfg("precision.train_recipe=mxfp4"), cuda=True)
     cpu = resolve_settings(_cfg("precision.train_recipe=mxfp4"), cuda=False)
     assert cpu.transformer_impl == "local" and cpu.fp8_emulated
+
+
+@pytest.mark.parametrize("cuda, impl, apex, fused", [
+    (True, "auto", False, False),  # TE on CUDA without apex: Megatron's output layer would raise
+    (True, "auto", True, True), (True, "local", True, False), (False, "auto", True, False)])
+def test_wgrad_fusion_only_with_apex_on_cuda_with_te(cuda, impl, apex, fused):
+    from megatron_rl.actor.build import scale_kwargs
+
+    s = resolve_settings(_cfg(f"parallel.transformer_impl={impl}"), cuda=cuda, wgrad_fusion=apex)
+    assert s.gradient_accumulation_fusion is fused
+    kwargs = scale_kwargs(None, None, s)
+    assert kwargs.get("gradient_accumulation_fusion", False) is fused
+    assert kwargs.get("bias_activation_fusion", False) is (cuda and impl == "auto")  # the others stay
+
+
+def test_wgrad_fusion_probe_is_the_apex_import(monkeypatch):
+    import sys
+    import types
+
+    from megatron_rl.fp8.te_recipe import wgrad_fusion_available
+
+    monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", None)  # import raises ImportError
+    assert not wgrad_fusion_available()
+    monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", types.ModuleType("fused_weight_gradient_mlp_cuda"))
+    assert wgrad_fusion_available()
+

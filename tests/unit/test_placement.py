@@ -21,7 +21,8 @@ def test_colocated_plan_by_hand():
                    "servers": [{"gpus": [0, 1], "port": 30000}, {"gpus": [2, 3], "port": 30001}], "router": None}],
         "transport_owners": [0, 4], "world_size": 8}
     assert [p.rollout_role(r) for r in range(8)] == ["owner", None, "client", None, "owner", None, "client", None]
-    assert p.servers_for(6) == ["http://b:30000", "http://b:30001"] == p.owned_servers(4)
+    assert p.servers_for(4) == ["http://b:30000", "http://b:30001"] == p.owned_servers(4)
+    assert p.servers_for(6) == ["http://b:30001", "http://b:30000"]  # head 6 prefers its own GPUs 2-3
     assert p.owned_servers(6) == [] and p.starts_servers(4) and not p.starts_servers(6)
     assert p.local_rank(6) == 2 and p.master_addr == "a" and p.router_url == ""
 
@@ -102,7 +103,7 @@ def test_each_rank_gets_the_sglang_settings_of_its_role():
     owner_b = sglang_config_for(cfg, p, 2)
     assert (owner_b.host, owner_b.base_port, owner_b.num_servers, owner_b.server_urls) == ("b", 32000, 2, [])
     client_b = sglang_config_for(cfg, p, 3)
-    assert client_b.server_urls == ["http://b:32000", "http://b:32001"] and client_b.router_url == ""
+    assert client_b.server_urls == ["http://b:32001", "http://b:32000"] and client_b.router_url == ""  # its GPU first
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
                              "rollout.sglang.weight_transport=nccl"])
     p = placement_for_config(cfg, ["r", "t"], 2, rollout_nodes=1)

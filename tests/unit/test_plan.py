@@ -109,3 +109,34 @@ def test_planned_state_bytes_equal_a_real_cpu_actor(qwen2_dir, single_parallel):
     cfg = load_config(None, [f"model.hf_dir={qwen2_dir}"])
     planned = trainer_memory(cfg, ModelSpec.from_hf_config(qwen2_dir), dp=1, cuda=False)
     assert (planned["weights"], planned["grads"], planned["optimizer"]) == (weights, grads, optimizer)
+
+
+def sglang_kv_pool_gib(total_gib, other_gib, weights_gib, mem_fraction_static, context_gib=1.0):
+    """SGLang 0.5.23, transcribed: model_runner.py:1262 measures pre_model_load_memory (free GiB
+    once the server's CUDA context exists, whatever else the GPU holds); after loading,
+    mem_cache/kv_cache_configurator.py:2999-3038 sets
+        slack_gb = pre_model_load_memory * (1 - mem_fraction_static)
+        rest_memory = available_gpu_memory - slack_gb   # available: free GiB after the weights
+    and :3043-3057 refuses to start when rest_memory <= 0."""
+    pre_model_load_memory = total_gib - other_gib - context_gib
+    available_gpu_memory = pre_model_load_memory - weights_gib
+    slack_gb = pre_model_load_memory * (1 - mem_fraction_static)
+    return available_gpu_memory - slack_gb
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_kv_pool_is_sized_as_sglang_sizes_it(mode):
+    """Qwen3-8B FP8 at 2 nodes: colocated servers start next to the built trainer (weights, grads,
+    optimizer, context resident), so the pool is ~21 GiB, not mem_fraction_static x 80 - weights."""
+    overrides = [f"rollout.sglang.mode={mode}"] + (["rollout.sglang.weight_transport=nccl"] if mode != "colocated" else [])
+    cfg = load_config(ROOT / "examples" / "qwen3_8b_grpo" / "fp8.yaml", overrides)
+    result = plan(cfg, ModelSpec.from_hf_config(HF_CONFIGS / "qwen3_8b.json"), Cluster(nodes=2))
+    t, r = result["trainer"], result["rollout"]
+    other = t["weights"] + t["grads"] + t["optimizer"] + t["cuda_context"] if mode == "colocated" else 0.0
+    expected = sglang_kv_pool_gib(80.0, other, r["weights"], cfg.rollout.sglang.mem_fraction_static)
+    assert r["kv_cache"] == pytest.approx(expected, abs=0.02)
+    if mode == "colocated":
+        assert 18 < r["kv_cache"] < 24  # the old plan said 39.2 GiB (mem_fraction_static x 80 GB - weights)
+        # Training keeps the engine's graphs and context; generation the trainer's context and FP8 caches.
+        assert result["peak_gb_per_gpu"] == pytest.approx(max(
+            t["total"] + r["cuda_graphs"] + r["cuda_context"], r["total"] + t["cuda_context"] + t["fp8_weight_cache"]), abs=0.05)

@@ -273,5 +273,6 @@ def test_staged_resume_and_bitwise_after_release_from_a_folder(tmp_path):
     assert [s.response_ids for s in again] == [s.response_ids for s in fresh]
     assert all(torch.equal(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs))
                for a, b in zip(again, fresh))
+    engine.release_memory(("cuda_graph",))  # SGLang's third region: this engine holds nothing there
     with pytest.raises(ValueError, match="memory tags"):
-        engine.release_memory(("cuda_graph",))
+        engine.release_memory(("graphs",))

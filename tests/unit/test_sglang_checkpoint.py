@@ -96,8 +96,25 @@ def test_tensor_transport_refuses_one_payload_for_several_tp_ranks():
     from megatron_rl.sync.sglang_transport import SGLangTensorTransport
 
     engine = types.SimpleNamespace(servers=[types.SimpleNamespace(tp_size=2)])
+    transport = SGLangTensorTransport(engine)  # build wires the host's gather after construction
     with pytest.raises(ValueError, match="tp_size > 1.*gather"):
-        SGLangTensorTransport(engine)
+        transport.begin(1)  # ... and without one the first sync is refused before any request
+
+
+def test_disaggregated_trainer_follows_the_checkpoint_the_servers_load(tmp_path, monkeypatch):
+    (tmp_path / "served").mkdir()
+    served = fake_checkpoint(tmp_path / "served", {"quant_method": "fp8", "weight_block_size": [64, 64]})
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
+                             "rollout.sglang.weight_transport=nccl", "precision.rollout_quant=fp8_blockwise",
+                             f"log.dir={tmp_path / 'log'}"])
+    monkeypatch.setenv("MEGATRON_RL_MODEL", str(served))
+    assert ck.rollout_quant_spec(cfg).weight_block_size == (64, 64)  # not precision's 128 x 128
+    assert ck.rollout_checkpoint(cfg, tmp_path / "hf") == served  # and no FP8 copy of its own
+    assert not (tmp_path / "log" / "rollout_fp8").exists()
+    bf16 = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
+                              "rollout.sglang.weight_transport=nccl", "precision.rollout_quant=bf16"])
+    with pytest.raises(ValueError, match="precision.rollout_quant.*is block-FP8"):
+        ck.rollout_quant_spec(bf16)
 
 
 def test_activation_quantizer_matches_sglang_per_token_group_arithmetic():

@@ -1,0 +1,45 @@
+"""Colocated release / resume per tag against a server double whose CUDA graphs live in the memory
+saver (SGLANG_MEMORY_SAVER_CUDA_GRAPH=1): the protocol's tags bring every released region back."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_testing import make_engine, needs_sglang_source
+
+from megatron_rl.loop.colocated import RELEASE_TAGS, RESUME_AFTER_SYNC
+from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.sglang_engine import RolloutUnavailableError
+from megatron_rl.sync.sglang_transport import SGLangTensorTransport
+
+pytestmark = [needs_sglang_source, pytest.mark.timeout(120)]
+
+
+def _update(engine, model_dir):
+    from safetensors.torch import load_file
+
+    named = sorted(load_file(str(model_dir / "model.safetensors")).items())
+    transport = SGLangTensorTransport(engine)
+    version = engine.weight_version + 1
+    transport.begin(version)
+    transport.send(named, version)
+    transport.finish(version)
+
+
+def test_protocol_tags_bring_the_cuda_graphs_back(qwen2_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")  # the servers inherit it (launch_env)
+    engine = make_engine(qwen2_dir, num_servers=1, max_retries=0)
+    sampling = SamplingParams(max_new_tokens=2, n=1, ignore_eos=True)
+    try:
+        engine.generate([[3, 4]], sampling)
+        engine.release_memory(RELEASE_TAGS)
+        engine.resume_memory(("weights",))
+        _update(engine, qwen2_dir)
+        engine.resume_memory(("kv_cache",))  # the resume before the fix: graphs stay unmapped
+        with pytest.raises(RolloutUnavailableError):
+            engine.generate([[3, 4]], sampling)
+        engine.resume_memory(tuple(t for t in RESUME_AFTER_SYNC if t != "kv_cache"))
+        assert len(engine.generate([[3, 4]], sampling)[0].response_ids) == 2
+        assert set(RELEASE_TAGS) == {"weights"} | set(RESUME_AFTER_SYNC)  # every released tag comes back
+    finally:
+        engine.shutdown()
