@@ -24,12 +24,26 @@ from megatron_rl.loop.checkpoint import Checkpointer
 pytestmark = pytest.mark.timeout(60)
 
 
+class _Schedule:
+    """Stands in for the actor's learning-rate scheduler: its state rides in rl_state.pt."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = state["num_steps"]
+
+
 class _Trainer:
     """Stands in for the Megatron actor: its 'weights' are one tensor, saved as one file."""
 
     def __init__(self, value: float) -> None:
         self.weights = torch.full((3,), value)
         self.fail_save = False
+        self.scheduler = _Schedule()
 
     def save_checkpoint(self, folder: Path, *, async_save: bool = False):
         assert folder.is_dir() and not any(folder.iterdir()), "the trainer writes into an empty folder"

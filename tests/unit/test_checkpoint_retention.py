@@ -15,6 +15,7 @@ from megatron_rl.loop.checkpoint import Checkpointer
 class _Actor:
     def __init__(self, die: bool = False):
         self.die = die
+        self.scheduler = SimpleNamespace(state_dict=lambda: {"num_steps": 0})
 
     def save_checkpoint(self, folder: Path, async_save: bool = False):
         (folder / "shard.bin").write_bytes(b"x" * 16)

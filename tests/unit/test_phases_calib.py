@@ -55,7 +55,8 @@ def test_calibration_histogram_weighs_tokens_like_the_loss():
 def test_both_ratios_share_the_old_log_prob_source(use_rollout):
     run = _run(f"algo.use_rollout_logprobs={str(use_rollout).lower()}")
     calls = []
-    run.actor = SimpleNamespace(compute_logprobs=lambda b, **kw: calls.append(kw["fp8"]) or
+    run.actor = SimpleNamespace(config=SimpleNamespace(sequence_parallel=False),
+                                compute_logprobs=lambda b, **kw: calls.append(kw["fp8"]) or
                                 {"logprobs": torch.full_like(b["old_logprobs"], -1.0)})
     run.cfg.train.micro_batch_size = 2
     _, mb = _micro_batch()

@@ -99,13 +99,13 @@ def test_loop_maps_the_rollout_section_to_sampling_params():
                              "rollout.stop_token_ids=[7, 9]", "rollout.seed=77"])
     run = SimpleNamespace(cfg=cfg, tokenizer=SimpleNamespace(eos_token_id=2), engine=_Recorder(),
                           parallel=SimpleNamespace(dp_rank=0))
-    phases._generate_on_engine(run, [SimpleNamespace(prompt_ids=[1])], step=3)
+    phases._generate_on_engine(run, [SimpleNamespace(prompt_ids=[1])], step=3, salt=0)
     got = run.engine.sampling
     assert (got.top_k, got.min_p, tuple(got.stop), tuple(got.stop_token_ids)) == (5, 0.05, ("</answer>",), (2, 7, 9))
     assert got.seed == phases._step_seed(77, 3, 0)
     default = load_config(None, [])
     run.cfg = default
-    phases._generate_on_engine(run, [SimpleNamespace(prompt_ids=[1])], step=3)
+    phases._generate_on_engine(run, [SimpleNamespace(prompt_ids=[1])], step=3, salt=0)
     assert run.engine.sampling.seed == phases._step_seed(default.train.seed, 3, 0) and run.engine.sampling.top_k == -1
 
 
@@ -119,7 +119,7 @@ def test_bad_sampling_knobs_name_the_key():
 @needs_sglang_source
 def test_sglang_request_carries_the_knobs(model_dir):
     sampling = SamplingParams(top_k=1, min_p=0.1, stop=("ab",), max_new_tokens=4)
-    (params,) = _generate_body([(0, [1, 2], 0)], sampling)["sampling_params"]
+    params = _generate_body([(0, [1, 2], 0)], sampling)["sampling_params"]  # one object per request (the router)
     assert {"top_k": 1, "min_p": 0.1, "stop": ["ab"]}.items() <= params.items()
     assert set(params) <= sampling_param_names()  # SGLang 0.5.23's SamplingParams field names
     sg = make_engine(model_dir, num_servers=1)  # the double refuses unknown sampling fields

@@ -64,14 +64,14 @@ def test_server_started_with_other_settings_is_refused(fp8_kv_server):
         attach(fp8_kv_server)
 
 
-def test_fp8_kv_cache_syncs_with_unit_scales_by_default(fp8_kv_server, qwen2_dir, caplog):
+def test_fp8_kv_cache_syncs_with_unit_scales_when_asked(fp8_kv_server, qwen2_dir, caplog):
     from safetensors.torch import load_file
 
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.sync.sglang_transport import SGLangTensorTransport
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.sglang"):
-        engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3")
+        engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3", kv_scales="unit")  # calibrated is the default
     assert "unit k/v scales" in caplog.text
     transport = SGLangTensorTransport(engine)
     transport.begin(1)
