@@ -26,6 +26,7 @@ log = logging.getLogger("megatron_rl.train")
 
 
 _ON_SIGTERM: list = []  # what a SIGTERM must stop before the process exits (see below)
+_STOP = threading.Event()  # SIGUSR1: stop after the current step with a checkpoint (see _stop_after)
 
 
 def _stop_children_on_sigterm() -> None:
@@ -37,6 +38,7 @@ def _stop_children_on_sigterm() -> None:
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, lambda signum, _frame: None)  # not the default action: the watcher acts
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: _STOP.set())
 
     def watch() -> None:
         while os.read(read_fd, 1) != bytes([signal.SIGTERM]):
@@ -79,9 +81,29 @@ def run(cfg: RunConfig) -> dict[str, float]:
             if run_.save_due(step):
                 with memory.trainer_on_device():
                     run_.maybe_save(step)
+            if _stop_after(run_, step, memory):
+                break
     finally:
         run_.finish()
     return metrics
+
+
+def _stop_after(run_: build.Run, step: int, memory: ColocatedMemory) -> bool:
+    """SIGUSR1 (the job's warning before its time limit, slurm/job.sh) with steps left: every rank
+    stops after this same step (rank 0's view decides), with a checkpoint of it, and rank 0 names
+    the step in MEGATRON_RL_STOP_FILE so the job script requeues the job, which resumes from it."""
+    if not collectives.broadcast_object(_STOP.is_set(), 0, None) or step + 1 >= run_.cfg.train.num_steps:
+        return False
+    if not run_.save_due(step):
+        with memory.trainer_on_device():
+            run_.checkpointer.save(run_, step + 1)
+    run_.checkpointer.wait()
+    if run_.is_log_rank:
+        log.warning("stop requested (SIGUSR1): stopped after step %d with a checkpoint", step)
+        if os.environ.get("MEGATRON_RL_STOP_FILE"):
+            with open(os.environ["MEGATRON_RL_STOP_FILE"], "w") as f:
+                f.write(f"{step + 1}\n")
+    return True
 
 
 def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:
