@@ -89,10 +89,14 @@ def run(cfg: RunConfig) -> dict[str, float]:
 
 
 def _stop_after(run_: build.Run, step: int, memory: ColocatedMemory) -> bool:
-    """SIGUSR1 (the job's warning before its time limit, slurm/job.sh) with steps left: every rank
-    stops after this same step (rank 0's view decides), with a checkpoint of it, and rank 0 names
-    the step in MEGATRON_RL_STOP_FILE so the job script requeues the job, which resumes from it."""
-    if not collectives.broadcast_object(_STOP.is_set(), 0, None) or step + 1 >= run_.cfg.train.num_steps:
+    """A stop request with steps left: every rank stops after this same step (rank 0's view decides),
+    with a checkpoint of it, and rank 0 names the step in MEGATRON_RL_STOP_FILE so that the job
+    script requeues the job, which resumes from it. A request is SIGUSR1 to the rank or the file
+    MEGATRON_RL_STOP_REQUEST existing (slurm/job.sh creates it on the job's warning signal: a signal
+    sent through srun would reach every process of the step, torchrun included, which dies of it)."""
+    request = os.environ.get("MEGATRON_RL_STOP_REQUEST")
+    asked = _STOP.is_set() or bool(request and os.path.exists(request))
+    if not collectives.broadcast_object(asked, 0, None) or step + 1 >= run_.cfg.train.num_steps:
         return False
     if not run_.save_due(step):
         with memory.trainer_on_device():

@@ -25,11 +25,13 @@ mkdir -p "$LOG_DIR" || exit 1
 export MEGATRON_RL_LOG_DIR=$LOG_DIR  # SGLang server logs: $LOG_DIR/<host>/
 echo "logs: $LOG_DIR"
 
-# ---- time limit and requeue: SIGUSR1 (--signal=B:USR1@lead) -> the trainer stops after its current
-# step with a checkpoint and names it in the stop file -> the job requeues itself; a requeued job
-# (SLURM_RESTART_COUNT > 0, also after Slurm's own requeue) resumes from the latest checkpoint.
-export MEGATRON_RL_STOP_FILE=$LOG_DIR/stopped-at-step
-rm -f "$MEGATRON_RL_STOP_FILE"
+# ---- time limit and requeue: SIGUSR1 (--signal=B:USR1@lead) -> the stop request file -> the trainer
+# stops after its current step with a checkpoint and names it in the stop file -> the job requeues
+# itself; a requeued job (SLURM_RESTART_COUNT > 0, also after Slurm's own requeue) resumes from the
+# latest checkpoint. A file, not a signal through srun: Slurm signals every process of a step
+# (torchrun, reward workers and servers too, which SIGUSR1 kills). Needs the log folder shared.
+export MEGATRON_RL_STOP_REQUEST=$LOG_DIR/stop-requested MEGATRON_RL_STOP_FILE=$LOG_DIR/stopped-at-step
+rm -f "$MEGATRON_RL_STOP_REQUEST" "$MEGATRON_RL_STOP_FILE"
 if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
   OVERRIDES+=(checkpoint.resume=true)  # what `megatron-rl train --resume` sets
   echo "restart ${SLURM_RESTART_COUNT}: resuming from the latest checkpoint"
@@ -57,8 +59,7 @@ stop_steps() {  # SIGTERM every step still running (srun forwards it to the task
 }
 trap stop_steps EXIT
 trap 'exit 143' TERM INT  # scancel / time limit: the EXIT trap stops the steps
-# srun forwards SIGUSR1 to the trainer tasks, megatron_rl.cluster.launch to the ranks
-trap 'echo "SIGUSR1: the trainer stops after its current step"; kill -USR1 "${TRAIN_PID:-}" 2>/dev/null' USR1
+trap 'echo "SIGUSR1: the trainer stops after its current step"; touch "$MEGATRON_RL_STOP_REQUEST"' USR1
 
 # The plan every step executes; a bad config or layout ends the job here, before anything starts.
 "${SRUN[@]}" --nodes=1 --ntasks=1 --output="$LOG_DIR/plan.json" --error="$LOG_DIR/plan.err" \

@@ -190,31 +190,15 @@ def _stop_flag() -> list[int]:
 
 def run_trainer(argv: list[str], env: dict[str, str]) -> int:
     """torchrun as a child in its own session, so a SIGTERM to this task ends it and its ranks
-    (torchrun forwards the signal to the ranks) before we exit with its status. SIGUSR1 (stop after
-    the current step, train.py) goes to the ranks themselves: torchrun would die of it."""
+    (torchrun forwards the signal to the ranks) before we exit with its status."""
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: proc.send_signal(signal.SIGTERM))
-    signal.signal(signal.SIGUSR1, lambda signum, _frame: _signal_children(proc.pid, signal.SIGUSR1))
     try:
         return proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _signal_children(pid: int, sig: int) -> None:
-    """Signal the child processes of `pid` (torchrun's ranks), found by pid in /proc."""
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for child in children:
-            try:
-                os.kill(int(child), sig)
-            except ProcessLookupError:
-                pass
 
 
 # ---- entry -----------------------------------------------------------------------------------
