@@ -195,9 +195,13 @@ class SlurmCluster:
 
 if __name__ == "__main__":
     cluster = SlurmCluster(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/slurm-test"))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(0))  # as Ctrl-C: the finally stops it
     try:
         cluster.start()
         print(f"export SLURM_CONF={cluster.conf}   # both nodes idle; Ctrl-C stops the cluster", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
     finally:
         cluster.stop()
