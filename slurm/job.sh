@@ -31,6 +31,7 @@ echo "logs: $LOG_DIR"
 # latest checkpoint. A file, not a signal through srun: Slurm signals every process of a step
 # (torchrun, reward workers and servers too, which SIGUSR1 kills). Needs the log folder shared.
 export MEGATRON_RL_STOP_REQUEST=$LOG_DIR/stop-requested MEGATRON_RL_STOP_FILE=$LOG_DIR/stopped-at-step
+trap 'echo "SIGUSR1: the trainer stops after its current step"; touch "$MEGATRON_RL_STOP_REQUEST"' USR1
 rm -f "$MEGATRON_RL_STOP_REQUEST" "$MEGATRON_RL_STOP_FILE"
 if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
   OVERRIDES+=(checkpoint.resume=true)  # what `megatron-rl train --resume` sets
@@ -59,7 +60,6 @@ stop_steps() {  # SIGTERM every step still running (srun forwards it to the task
 }
 trap stop_steps EXIT
 trap 'exit 143' TERM INT  # scancel / time limit: the EXIT trap stops the steps
-trap 'echo "SIGUSR1: the trainer stops after its current step"; touch "$MEGATRON_RL_STOP_REQUEST"' USR1
 
 # The plan every step executes; a bad config or layout ends the job here, before anything starts.
 "${SRUN[@]}" --nodes=1 --ntasks=1 --output="$LOG_DIR/plan.json" --error="$LOG_DIR/plan.err" \
