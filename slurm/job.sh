@@ -62,7 +62,7 @@ trap stop_steps EXIT
 trap 'exit 143' TERM INT  # scancel / time limit: the EXIT trap stops the steps
 
 # The plan every step executes; a bad config or layout ends the job here, before anything starts.
-"${SRUN[@]}" --nodes=1 --ntasks=1 --output="$LOG_DIR/plan.json" --error="$LOG_DIR/plan.err" \
+"${SRUN[@]}" --nodes=1 --ntasks=1 --open-mode=truncate --output="$LOG_DIR/plan.json" --error="$LOG_DIR/plan.err" \
   "${LAUNCH[@]}" --dry-run "${ARGS[@]}" || { cat "$LOG_DIR/plan.err" >&2; exit 2; }
 
 if (( SERVE_NODES > 0 )); then
@@ -92,7 +92,7 @@ RC=$?
 while kill -0 "$TRAIN_PID" 2>/dev/null; do wait "$TRAIN_PID"; RC=$?; done  # a trapped signal ends `wait` early
 echo "trainer exited with status $RC"
 if [[ "$RC" == 0 && -s "$MEGATRON_RL_STOP_FILE" ]]; then
-  echo "stopped after step $(cat "$MEGATRON_RL_STOP_FILE") of the run before its end: requeueing the job"
+  echo "stopped early with $(cat "$MEGATRON_RL_STOP_FILE") steps done and checkpointed: requeueing the job"
   stop_steps
   scontrol requeue "$SLURM_JOB_ID"
   exit 0

@@ -44,4 +44,8 @@ def test_usr1_stops_at_a_step_boundary_requeues_and_resumes_bitwise(cluster, tmp
     _usr1(cluster, cut)  # during the resumed run's last step: nothing left to requeue for
     assert cut.wait() == "COMPLETED", cut.output  # and nothing of either run left
     assert cut.info()["Restarts"] == "1" and cut.steps() == [0, 1] and tracebacks(cut) == []
+    # --open-mode=append: the first run's lines are still in the job's output, before the restart's
+    out = cut.output
+    assert out.index("stopped early with 1 steps done and checkpointed: requeueing the job") < out.index(
+        "restart 1: resuming from the latest checkpoint"), out
     assert _without_time(cut.metrics()) == _without_time(whole.metrics())
