@@ -103,7 +103,7 @@ def _stop_after(run_: build.Run, step: int, memory: ColocatedMemory) -> bool:
             run_.checkpointer.save(run_, step + 1)
     run_.checkpointer.wait()
     if run_.is_log_rank:
-        log.warning("stop requested (SIGUSR1): stopped after step %d with a checkpoint", step)
+        log.warning("stop requested: stopped after step %d with a checkpoint", step)
         if os.environ.get("MEGATRON_RL_STOP_FILE"):
             with open(os.environ["MEGATRON_RL_STOP_FILE"], "w") as f:
                 f.write(f"{step + 1}\n")
