@@ -63,7 +63,7 @@ SlurmctldPort={ctl_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root}/munge/munge.socket,cred_expire=30
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
