@@ -28,6 +28,7 @@ log = logging.getLogger("megatron_rl.train")
 
 
 _ON_SIGTERM: list = []  # what a SIGTERM must stop before the process exits (see below)
+_STOP = threading.Event()  # SIGUSR1: stop after the current step with a checkpoint (see _stop_after)
 
 
 def _stop_children_on_sigterm() -> None:
@@ -39,6 +40,7 @@ def _stop_children_on_sigterm() -> None:
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, lambda signum, _frame: None)  # not the default action: the watcher acts
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: _STOP.set())
 
     def watch() -> None:
         while os.read(read_fd, 1) != bytes([signal.SIGTERM]):
@@ -92,6 +94,8 @@ def run(cfg: RunConfig) -> dict[str, float]:
                         run_.export_hf(step)
                 if best is not None:
                     best.saved(run_.checkpointer.latest_step())
+            if _stop_after(run_, step, memory):
+                break
     finally:
         run_.finish()
         if evaluator is not None:
@@ -112,6 +116,28 @@ def _evaluate(run_: build.Run, evaluator, best, step: int, weights_step: int, me
     if best is not None:
         best.scored(weights_step, scores, run_.checkpointer.latest_step())
     return scores
+
+
+def _stop_after(run_: build.Run, step: int, memory: ColocatedMemory) -> bool:
+    """A stop request with steps left: every rank stops after this same step (rank 0's view decides),
+    with a checkpoint of it, and rank 0 names the step in MEGATRON_RL_STOP_FILE so that the job
+    script requeues the job, which resumes from it. A request is SIGUSR1 to the rank or the file
+    MEGATRON_RL_STOP_REQUEST existing (slurm/job.sh creates it on the job's warning signal: a signal
+    sent through srun would reach every process of the step, torchrun included, which dies of it)."""
+    request = os.environ.get("MEGATRON_RL_STOP_REQUEST")
+    asked = _STOP.is_set() or bool(request and os.path.exists(request))
+    if not collectives.broadcast_object(asked, 0, None) or step + 1 >= run_.cfg.train.num_steps:
+        return False
+    if not run_.save_due(step):
+        with memory.trainer_on_device():
+            run_.checkpointer.save(run_, step + 1)
+    run_.checkpointer.wait()
+    if run_.is_log_rank:
+        log.warning("stop requested: stopped after step %d with a checkpoint", step)
+        if os.environ.get("MEGATRON_RL_STOP_FILE"):
+            with open(os.environ["MEGATRON_RL_STOP_FILE"], "w") as f:
+                f.write(f"{step + 1}\n")
+    return True
 
 
 def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:

@@ -105,9 +105,10 @@ def this_host(plan: Placement, env: dict[str, str]) -> str:
 # ---- trainer hosts --------------------------------------------------------------------------
 
 def trainer_argv(plan: Placement, host: str, config: str, overrides: list[str], master_port: int = 29500) -> list[str]:
-    """torchrun for this trainer host: ranks host_index * G .. + G - 1, as the plan numbers them."""
+    """torchrun (cluster/torchrun.py: its first node leaves last) for this trainer host: ranks
+    host_index * G .. + G - 1, as the plan numbers them."""
     trainers = [h.host for h in plan.trainer_hosts()]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(trainers)}",
+    return [sys.executable, "-m", "megatron_rl.cluster.torchrun", f"--nnodes={len(trainers)}",
             f"--node-rank={trainers.index(host)}", f"--nproc-per-node={plan.gpus_per_node}",
             f"--master-addr={plan.master_addr}", f"--master-port={master_port}", "--local-addr", host,
             "-m", "megatron_rl.train", config, *overrides]

@@ -40,7 +40,8 @@ class Job:
     """One `sbatch` of a real script on the test cluster."""
 
     def __init__(self, cluster, tmp: Path, script: str, *overrides: str, sbatch: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, nodes: int = 2, run_dir: Path | None = None):
+                 env: dict[str, str] | None = None, nodes: int = 2, run_dir: Path | None = None,
+                 before_config: tuple[str, ...] = ()):
         self.cluster = cluster
         self.tag = f"job-{os.getpid()}-{time.monotonic_ns()}"
         self.log_root, self.run_dir = tmp / "logs", run_dir or tmp / "run"
@@ -48,7 +49,7 @@ class Job:
                    MEGATRON_RL_LOG_ROOT=str(self.log_root), MEGATRON_RL_MASTER_PORT=str(free_port()),
                    OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MEGATRON_RL_TEST_JOB=self.tag, **(env or {}))
         cmd = ["sbatch", "--parsable", f"-N{nodes}", "--gpus-per-node=2", "--cpus-per-task=1",
-               f"--output={tmp}/%x-%j.out", *sbatch, f"slurm/{script}", str(ROOT / "examples/tiny/bf16.yaml"),
+               f"--output={tmp}/%x-%j.out", *sbatch, f"slurm/{script}", *before_config, str(ROOT / "examples/tiny/bf16.yaml"),
                *TINY, f"log.dir={self.run_dir}", *overrides]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
         self.job_id = out.stdout.strip().split(";")[0]
@@ -69,11 +70,11 @@ class Job:
 
     @property
     def log_dir(self) -> Path:
-        return self.log_root / f"{self.name}-{self.job_id}"
+        return self.log_root / f"{self.name}-{self.info()['JobId']}"  # an array task's own id
 
     @property
     def output(self) -> str:
-        path = self.tmp / f"{self.name}-{self.job_id}.out"
+        path = self.tmp / f"{self.name}-{self.info()['JobId']}.out"
         text = path.read_text() if path.exists() else ""
         logs = "".join(f"\n--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(self.log_dir.glob("*.log")))
         return text + logs

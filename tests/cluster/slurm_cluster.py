@@ -26,7 +26,7 @@ from pathlib import Path
 NODES = {"node1": "127.0.0.2", "node2": "127.0.0.3"}
 CONTROLLER = ("slurmctl", "127.0.0.1")
 GPUS_PER_NODE = 2
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "unshare")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel", "unshare")
 HOW_TO_ENABLE = ("the cluster tests need a real Slurm: as root, `apt-get install -y slurm-wlm munge` "
                  "(Debian / Ubuntu); see slurm/README.md")
 
@@ -51,7 +51,8 @@ def _free_ports(n: int) -> list[int]:
 
 def slurm_conf(root: Path, ctl_port: int, node_ports: list[int]) -> str:
     """slurm.conf of the test cluster. No cgroups (proctrack/linuxproc: Slurm ends a step's process
-    tree), no accounting daemon (jobcomp/filetxt records every job's end), short timers."""
+    tree), no accounting daemon (jobcomp/filetxt records every job's end), short timers
+    (cred_expire is also how long a requeued job waits before it may start again: 120 s by default)."""
     nodes = "\n".join(f"NodeName={name} NodeAddr={addr} Port={port} CPUs=2 RealMemory=2000 "
                       f"Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
                       for (name, addr), port in zip(NODES.items(), node_ports))
@@ -62,7 +63,7 @@ SlurmctldPort={ctl_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root}/munge/munge.socket
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
@@ -194,9 +195,13 @@ class SlurmCluster:
 
 if __name__ == "__main__":
     cluster = SlurmCluster(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/slurm-test"))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(0))  # as Ctrl-C: the finally stops it
     try:
         cluster.start()
         print(f"export SLURM_CONF={cluster.conf}   # both nodes idle; Ctrl-C stops the cluster", flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
     finally:
         cluster.stop()

@@ -1,24 +1,20 @@
-"""The real slurm/*.sbatch scripts under a fake Slurm with the SGLang server and router doubles
-(tests/doubles/) in place of SGLang's commands (rollout.sglang.server_command / router_command):
-one owner per node's servers, a server killed mid-rollout, a rank dying, a disaggregated job whose
-servers stop with the trainer. Skipped until the doubles and those config keys are present.
+"""The real slurm/*.sbatch scripts submitted with sbatch to the two-node test cluster, with the
+SGLang server and router doubles (tests/doubles/) in place of SGLang's commands
+(rollout.sglang.server_command / router_command): one owner per node's servers, a server killed
+mid-rollout, a rank dying, a disaggregated job whose servers stop with the trainer, scancel and a
+node going down mid-job. Servers bind to the node names (node1 -> 127.0.0.2, node2 -> 127.0.0.3).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
-from _job import ROOT, TINY, Job, check_against_plan, free_port  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not (ROOT / "tests" / "doubles" / "sglang_server_double.py").exists(),
-                                reason="the SGLang server / router doubles (tests/doubles/) are not here yet")
+from _job import ROOT, TINY, Job, check_against_plan, free_port, tracebacks  # noqa: E402
 
 DOUBLES = ROOT / "tests" / "doubles"
 
@@ -38,59 +34,87 @@ def _sglang(tmp: Path, *extra_server_flags: str) -> list[str]:
 
 
 def _server_logs(job: Job) -> list[str]:
-    return sorted(str(p.relative_to(job.log_dir)) for p in job.log_dir.glob("127.*/*.log"))
+    return sorted(str(p.relative_to(job.log_dir)) for p in job.log_dir.glob("node*/*.log"))
 
 
-def test_colocated_sglang_job_one_owner_per_node_and_a_server_killed_mid_rollout(tmp_path):
+def test_colocated_sglang_job_one_owner_per_node_and_a_server_killed_mid_rollout(cluster, tmp_path):
     died = tmp_path / "died"  # the double exits inside the first /generate it serves, once
-    job = Job(tmp_path, "colocated.sbatch", *_sglang(tmp_path, "--die-on-generate-once", str(died)))
-    assert job.wait() == 0, job.output
-    assert job.steps() == [0, 1, 2] and died.exists() and job.reaped() == ""
+    job = Job(cluster, tmp_path, "colocated.sbatch", *_sglang(tmp_path, "--die-on-generate-once", str(died)))
+    assert job.wait() == "COMPLETED" and job.exit_code == "0:0", job.output  # nothing of it left either
+    assert job.steps() == [0, 1, 2] and died.exists()
+    assert tracebacks(job) == [], job.output  # both nodes' torchrun end cleanly (the exit barrier)
     plan = check_against_plan(job)
     port = plan["hosts"][0]["servers"][0]["port"]
     servers = [{"gpus": [0], "port": port}, {"gpus": [1], "port": port + 1}]
-    # hand-worked: DP 4; rank 0 starts and updates 127.0.0.2's two servers, rank 2 127.0.0.3's
+    # hand-worked: DP 4; rank 0 starts and updates node1's two servers, rank 2 node2's
     assert plan == {"layout": "colocated", "world_size": 4, "transport_owners": [0, 2],
-                    "hosts": [{"host": "127.0.0.2", "trainer_ranks": [0, 1], "servers": servers, "router": None},
-                              {"host": "127.0.0.3", "trainer_ranks": [2, 3], "servers": servers, "router": None}]}
+                    "hosts": [{"host": "node1", "trainer_ranks": [0, 1], "servers": servers, "router": None},
+                              {"host": "node2", "trainer_ranks": [2, 3], "servers": servers, "router": None}]}
     roles = {p["rank"]: (p["role"], p["servers"]) for p in job.placements()}
-    assert roles[3] == ("client", [f"http://127.0.0.3:{port}", f"http://127.0.0.3:{port + 1}"])
-    assert _server_logs(job) == ["127.0.0.2/sglang_server_0.log", "127.0.0.2/sglang_server_1.log",
-                                 "127.0.0.3/sglang_server_0.log", "127.0.0.3/sglang_server_1.log"]
+    assert roles[3] == ("client", [f"http://node2:{port}", f"http://node2:{port + 1}"])
+    assert _server_logs(job) == ["node1/sglang_server_0.log", "node1/sglang_server_1.log",
+                                 "node2/sglang_server_0.log", "node2/sglang_server_1.log"]
 
 
-def test_disaggregated_sglang_job_runs_and_stops_its_servers(tmp_path):
-    overrides = [*_sglang(tmp_path), "rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=nccl",
-                 f"rollout.sglang.nccl_master_port={free_port()}"]
-    job = Job(tmp_path, "disaggregated.sbatch", *overrides, env={"MEGATRON_RL_ROLLOUT_NODES": "1"})
-    assert job.wait() == 0, job.output
-    assert job.steps() == [0, 1, 2] and job.reaped() == ""  # the job stopped servers and router itself
+def _disaggregated(tmp: Path, *server_flags: str) -> list[str]:
+    return [*_sglang(tmp, *server_flags), "rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=nccl",
+            f"rollout.sglang.nccl_master_port={free_port()}"]
+
+
+def test_disaggregated_sglang_job_runs_and_stops_its_servers(cluster, tmp_path):
+    job = Job(cluster, tmp_path, "disaggregated.sbatch", *_disaggregated(tmp_path), env={"MEGATRON_RL_ROLLOUT_NODES": "1"})
+    assert job.wait() == "COMPLETED" and job.exit_code == "0:0", job.output  # servers and router gone too
+    assert job.steps() == [0, 1, 2] and tracebacks(job) == []
     plan = check_against_plan(job)
     serving, training = plan["hosts"]
-    assert (serving["host"], serving["trainer_ranks"], len(serving["servers"])) == ("127.0.0.2", [], 2)
-    assert serving["router"] is not None and training == {"host": "127.0.0.3", "trainer_ranks": [0, 1],
+    assert (serving["host"], serving["trainer_ranks"], len(serving["servers"])) == ("node1", [], 2)
+    assert serving["router"] is not None and training == {"host": "node2", "trainer_ranks": [0, 1],
                                                           "servers": [], "router": None}
     assert plan["transport_owners"] == [0] and [p["role"] for p in job.placements()] == ["owner", "client"]
     assert len(_server_logs(job)) == 3  # two servers and the router, under the rollout host's folder
 
 
-def test_a_rank_dying_at_step_1_fails_the_job_and_its_owners_stop_their_servers(tmp_path):
-    job = Job(tmp_path, "colocated.sbatch", *_sglang(tmp_path), "train.num_steps=50")
-    deadline = time.monotonic() + 200
-    while job.steps() == [] and job.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
+def _running_step(job: Job) -> None:
+    job.wait_for(lambda: job.steps() != [] or job.state not in ("PENDING", "RUNNING"), what="step 0")
+
+
+def test_a_rank_dying_at_step_1_fails_the_job_and_its_owners_stop_their_servers(cluster, tmp_path):
+    job = Job(cluster, tmp_path, "colocated.sbatch", *_sglang(tmp_path), "train.num_steps=50")
+    _running_step(job)
     victim = next(p["pid"] for p in job.placements() if p["rank"] == 3)
     os.kill(victim, signal.SIGKILL)  # rank 3, a client on the second node, dies during step 1
-    assert job.wait() != 0, job.output  # and wait() found no process of the job left
+    assert job.wait() == "FAILED", job.output  # and wait() found no process of the job left
     assert 0 < len(job.steps()) < 50 and "trainer exited with status 0" not in job.output
-    servers_reaped = [line for line in job.reaped().splitlines() if "sglang_server_double.py --" in line]
-    assert servers_reaped == []  # the owners (ranks 0 and 2) stopped their servers on SIGTERM
 
 
-def test_disaggregated_server_dying_fails_the_job_cleanly(tmp_path):
+def test_disaggregated_server_dying_fails_the_job_cleanly(cluster, tmp_path):
     died = tmp_path / "died"
-    overrides = [*_sglang(tmp_path, "--die-on-generate-once", str(died)), "rollout.sglang.mode=disaggregated",
-                 "rollout.sglang.weight_transport=nccl", f"rollout.sglang.nccl_master_port={free_port()}"]
-    job = Job(tmp_path, "disaggregated.sbatch", *overrides, env={"MEGATRON_RL_ROLLOUT_NODES": "1"})
-    assert job.wait() != 0, job.output  # and wait() found no process of the job left
+    job = Job(cluster, tmp_path, "disaggregated.sbatch", *_disaggregated(tmp_path, "--die-on-generate-once", str(died)),
+              env={"MEGATRON_RL_ROLLOUT_NODES": "1"})
+    assert job.wait() == "FAILED", job.output  # and wait() found no process of the job left
     assert died.exists() and "the serve step ended before the trainer" in job.output
+
+
+def test_scancel_mid_rollout_ends_the_job_with_nothing_left(cluster, tmp_path):
+    job = Job(cluster, tmp_path, "colocated.sbatch", *_sglang(tmp_path), "train.num_steps=50")
+    _running_step(job)
+    subprocess.run(["scancel", job.job_id], env=cluster.env, check=True)
+    assert job.wait() == "CANCELLED", job.output  # and wait() found no process of the job left
+    assert len(job.steps()) < 50
+
+
+def test_a_node_set_down_mid_job_ends_it_cleanly(cluster, tmp_path):
+    job = Job(cluster, tmp_path, "disaggregated.sbatch", *_disaggregated(tmp_path), "train.num_steps=50",
+              env={"MEGATRON_RL_ROLLOUT_NODES": "1"})
+    _running_step(job)
+    cluster.scontrol("update", "nodename=node2", "state=down", "reason=test")
+    # Slurm ends a job that loses a node (NODE_FAIL) and, by default, requeues it; the test
+    # cluster's node2 stays down, so the requeued job stays pending: cancel it there.
+    job.wait_for(lambda: job.state in ("NODE_FAIL", "PENDING", "REQUEUED") or job.state not in ("RUNNING",
+                                                                                             "COMPLETING"),
+                 what="the end after node2 went down")
+    ended = job.state
+    subprocess.run(["scancel", job.job_id], env=cluster.env, check=True)
+    final = job.wait()  # and nothing of the job left on either node
+    assert ended in ("NODE_FAIL", "PENDING", "REQUEUED") and final in ("CANCELLED", "NODE_FAIL"), (ended, final)
+    assert len(job.steps()) < 50

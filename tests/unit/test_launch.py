@@ -42,7 +42,7 @@ def test_trainer_argv_numbers_ranks_from_the_plan():
                              "rollout.sglang.weight_transport=nccl", "rollout.sglang.tp_size=2"])
     plan = placement_for_config(cfg, ["h1", "h2", "h3", "h4"], 8, rollout_nodes=1)
     argv = trainer_argv(plan, "h3", "cfg.yaml", ["train.lr=1e-6"], master_port=29511)
-    assert argv[argv.index("-m") + 1] == "torch.distributed.run"
+    assert argv[argv.index("-m") + 1] == "megatron_rl.cluster.torchrun"  # torchrun, ordered exit
     assert {"--nnodes=3", "--node-rank=1", "--nproc-per-node=8", "--master-addr=h2", "--master-port=29511"} <= set(argv)
     assert argv[-3:] == ["megatron_rl.train", "cfg.yaml", "train.lr=1e-6"]
 
