@@ -28,6 +28,9 @@ EXTRAS = {
     # weight-update protocol changes between releases: 0.5.23 needs update sessions).
     "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23", "sglang-router", "nvidia-modelopt>=0.33"],
     "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1"],
+    # `make mutate` (tools/mutate.py, docs/testing.md): mutation testing, not run in CI. mutmut 3's
+    # setup.cfg keys and `results` output are what tools/mutate.py reads.
+    "mutate": ["mutmut>=3.8,<4"],
 }
 
 setup(
