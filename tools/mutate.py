@@ -74,6 +74,9 @@ def _setup_cfg(module: str, tests: list[str]) -> str:
         # torch (threads, its allocator) is not fork-safe once a test ran in the parent
         "process_isolation = forkserver\n"
         "use_git_change_detection = false\n"
+        # A mutant's limit is 15 x its tests' measured time + this: the forked run also pays for
+        # fixtures (a gloo group, a server double) on a loaded machine.
+        "timeout_constant = 60\n"
     )
 
 
