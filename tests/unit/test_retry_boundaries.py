@@ -98,16 +98,18 @@ def api_key(monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
 
 
-def _engine(url: str, **kw) -> SGLangEngine:
-    return SGLangEngine(SGLangConfig(server_urls=[url], request_timeout_s=60, max_batch_per_request=8, **kw),
-                        "unused")
+def _engine(relay, path: str, failures: int, status: int, **kw) -> tuple[SGLangEngine, Faults]:
+    """An engine attached through the relay, whose next `failures` requests to `path` get `status`."""
+    url, faults = relay
+    engine = SGLangEngine(SGLangConfig(server_urls=[url], request_timeout_s=60, max_batch_per_request=8, **kw),
+                          "unused")
+    faults.fail(path, failures, status)
+    return engine, faults
 
 
 @pytest.mark.parametrize("max_retries,failures,ok", [(0, 0, True), (0, 1, False), (2, 2, True), (2, 3, False)])
 def test_generate_is_retried_exactly_max_retries_times(relay, max_retries, failures, ok):
-    url, faults = relay
-    engine = _engine(url, max_retries=max_retries)
-    faults.fail("/generate", failures, 503)
+    engine, faults = _engine(relay, "/generate", failures, 503, max_retries=max_retries)
     if ok:
         samples = engine.generate(PROMPTS, SAMPLING)
         assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
@@ -122,9 +124,7 @@ def test_generate_is_retried_exactly_max_retries_times(relay, max_retries, failu
 
 
 def test_a_client_error_is_not_retried(relay):
-    url, faults = relay
-    engine = _engine(url, max_retries=3)
-    faults.fail("/generate", 1, 422)
+    engine, faults = _engine(relay, "/generate", 1, 422, max_retries=3)
     with pytest.raises(SGLangHTTPError, match="HTTP 422"):
         engine.generate(PROMPTS, SAMPLING)
     assert faults.seen["/generate"] == 1 and engine.stats["retries"] == 0
@@ -132,9 +132,7 @@ def test_a_client_error_is_not_retried(relay):
 
 @pytest.mark.parametrize("flush_retries,refusals,ok", [(1, 0, True), (1, 1, False), (3, 2, True), (3, 3, False)])
 def test_flush_cache_is_tried_exactly_flush_retries_times(relay, flush_retries, refusals, ok):
-    url, faults = relay
-    engine = _engine(url, flush_retries=flush_retries)
-    faults.fail("/flush_cache", refusals, 400)
+    engine, faults = _engine(relay, "/flush_cache", refusals, 400, flush_retries=flush_retries)
     if ok:
         engine.flush_cache(retry_s=0.01)
     else:
@@ -144,9 +142,7 @@ def test_flush_cache_is_tried_exactly_flush_retries_times(relay, flush_retries, 
 
 
 def test_flush_cache_does_not_retry_other_errors(relay):
-    url, faults = relay
-    engine = _engine(url, flush_retries=5)
-    faults.fail("/flush_cache", 1, 500)
+    engine, faults = _engine(relay, "/flush_cache", 1, 500, flush_retries=5)
     with pytest.raises(SGLangHTTPError, match="HTTP 500"):
         engine.flush_cache(retry_s=0.01)
     assert faults.seen["/flush_cache"] == 1
