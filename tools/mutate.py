@@ -61,7 +61,7 @@ MODULES: dict[str, list[str]] = {
                                              "tests/unit/test_sglang_update_protocol.py"],
     "megatron_rl/collectives.py": ["tests/unit/test_collectives.py", "tests/dist/test_host_collectives.py"],
     "megatron_rl/rewards/runner.py": ["tests/unit/test_rewards_runner.py"],
-    "megatron_rl/data/loader.py": ["tests/unit/test_data_datasets.py"],
+    "megatron_rl/data/loader.py": ["tests/unit/test_data_loader.py", "tests/unit/test_data_datasets.py"],
     "megatron_rl/actor/packing.py": ["tests/unit/test_actor_packing.py"],
 }
 
