@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,wandb
 DEMO_CONFIG ?= examples/tiny/fp8_calibrated.yaml
 
-.PHONY: setup demo surge test bench clean
+.PHONY: setup demo surge test mutate bench clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ surge: setup  # the entropy surge of vanilla NVFP4 and what prevents it (example
 test: setup
 	$(VENV)/bin/lint-imports --no-cache  # the layering contract (.importlinter); a violation names the import
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+mutate: setup  # mutation testing of the orchestration tier (about two hours on 2 cores; not in CI): docs/testing.md
+	$(PY) -m pip install -q -e ".[mutate]"
+	$(PY) tools/mutate.py
 
 bench: setup
 	for b in tools/bench/*.py; do OMP_NUM_THREADS=2 $(PY) $$b || exit 1; done

@@ -30,6 +30,9 @@ EXTRAS = {
     "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1"],
     # Optional W&B logging (log.wandb); tests/unit/test_telemetry_wandb.py skips without it unless CI=true.
     "wandb": ["wandb>=0.19"],
+    # `make mutate` (tools/mutate.py, docs/testing.md): mutation testing, not run in CI. mutmut 3's
+    # setup.cfg keys and `results` output are what tools/mutate.py reads.
+    "mutate": ["mutmut>=3.8,<4"],
 }
 
 setup(

@@ -4,6 +4,7 @@ actor come in the order design.md section 10 prescribes, with packed micro-batch
 from __future__ import annotations
 
 import pytest
+import torch
 from test_rl_loop import run_tiny
 
 from megatron_rl.actor.actor import MegatronActor
@@ -54,3 +55,55 @@ def test_colocated_protocol_order_in_the_loop(tmp_path, calls):
            "resume_memory(('kv_cache', 'cuda_graph'))"]
     assert calls == start + step + step + end
     assert records[-1]["memory/trainer_offloaded_gb"] > 0 and records[-1]["sync/check_mismatches"] == 0
+
+
+def _nan_old_logprobs_once(run_) -> None:
+    """After the start-up sync, one trainer weight turns NaN for the first old log-prob forward
+    only (then it is restored): step 0 is skipped by the non-finite guard after the engine was
+    released, and the trainer again holds exactly the weights the engine lost."""
+    startup_sync, compute = run_.sync.sync, run_.actor.compute_logprobs
+    param = next(p for n, p in run_.actor.model[0].named_parameters() if "linear_fc2" in n)
+    saved = {}
+
+    def sync():
+        metrics = startup_sync()
+        if not saved:
+            saved["value"] = param[0, 0].item()
+            with torch.no_grad():
+                param[0, 0] = float("nan")
+        return metrics
+
+    def compute_logprobs(*args, **kwargs):
+        out = compute(*args, **kwargs)
+        if "value" in saved and not saved.get("restored"):
+            with torch.no_grad():
+                param[0, 0] = saved["value"]
+            saved["restored"] = True
+        return out
+    run_.sync.sync, run_.actor.compute_logprobs = sync, compute_logprobs
+
+
+def test_a_step_skipped_after_the_release_pushes_the_weights_back(tmp_path, calls, monkeypatch):
+    """Protocol on: the engine released its weights for the trainer, then the update was skipped;
+    the weights still go back (resume, sync, KV cache), so the next step samples from them."""
+    from megatron_rl.loop import build
+
+    real_build = build.build_run
+
+    def build_run(cfg):
+        run_ = real_build(cfg)
+        _nan_old_logprobs_once(run_)
+        return run_
+    monkeypatch.setattr(build, "build_run", build_run)
+    records = run_tiny(tmp_path, "fp8_calibrated.yaml", "train.num_steps=2", "calib.period=1")
+    assert [r["step/skipped"] for r in records] == [1.0, 0.0]
+    assert records[0]["guard/nonfinite_logprobs"] > 0
+    start = ["offload(('grads', 'optimizer'))", "sync", "finish_update", "offload(('params',))"]
+    skipped = ["generate", "release_memory()", "reload", "compute_logprobs", "offload(('grads', 'optimizer'))",
+               "resume_memory(('weights',))", "sync", "finish_update", "offload(('params',))",
+               "resume_memory(('kv_cache',))"]
+    trained = STEP[:6] + ["compute_logprobs"] + STEP[6:]
+    assert calls == start + skipped + trained
+    # the skipped step re-published the start-up weights (version 2); the trained step's sync is 3
+    assert records[0]["sync/version"] == 2 and records[1]["sync/version"] == 3
+    assert records[0]["sync/check_mismatches"] == 0 and records[1]["sync/check_mismatches"] == 0

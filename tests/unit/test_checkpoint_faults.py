@@ -37,6 +37,10 @@ class _Schedule:
         self.num_steps = state["num_steps"]
 
 
+def _write_weights(weights: torch.Tensor, path: Path) -> None:
+    torch.save(weights, path)
+
+
 class _Trainer:
     """Stands in for the Megatron actor: its 'weights' are one tensor, saved as one file."""
 
@@ -49,7 +53,11 @@ class _Trainer:
         assert folder.is_dir() and not any(folder.iterdir()), "the trainer writes into an empty folder"
         if self.fail_save:
             raise OSError("disk full")
-        torch.save(self.weights, folder / "weights.pt")
+        if async_save:  # Megatron's own request type, scheduled by the checkpointer on its queue
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+            return AsyncRequest(_write_weights, (self.weights.clone(), folder / "weights.pt"), [])
+        _write_weights(self.weights, folder / "weights.pt")
         return None
 
     def load_checkpoint(self, folder: Path) -> None:
@@ -208,3 +216,52 @@ def test_hf_files_are_copied_into_the_step_folder(tmp_path):
     ckpt.save(_run(), 3)
     assert _names(ckpt.root / "step_000003" / "hf") == ["config.json", "tokenizer.json"]
     assert ckpt.latest_step() == 3
+
+
+def test_rng_of_each_saved_rank_goes_back_to_that_rank(tmp_path):
+    """A 2-rank rl_state.pt (written as the checkpointer writes it): rank 1 takes rank 1's RNG."""
+    ckpt, run = Checkpointer(tmp_path / "ckpt"), _run()
+    ckpt.save(run, 1)
+    path = ckpt.root / "step_000001" / "rl_state.pt"
+    state = torch.load(path, weights_only=True)
+    torch.manual_seed(5)
+    rank1 = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state["rng"] = [state["rng"][0], rank1]
+    torch.save(state, path)
+    expected = torch.rand(4).tolist()
+    ckpt.load_latest(_run(rank=1, world_size=2))
+    assert torch.rand(4).tolist() == expected
+
+
+def test_the_older_per_rank_layout_is_read(tmp_path):
+    """rl_state_rank<r>.pt (one file per rank, same world size) from earlier releases."""
+    ckpt, run = Checkpointer(tmp_path / "ckpt"), _run()
+    _advance(run, 3.0, version=4, batches=2)
+    ckpt.save(run, 1)
+    folder = ckpt.root / "step_000001"
+    state = torch.load(folder / "rl_state.pt", weights_only=True)
+    state["rng"] = state["rng"][0]
+    torch.save(state, folder / "rl_state_rank0.pt")
+    os.remove(folder / "rl_state.pt")
+    assert _resume(ckpt) == (1, _state(run))
+
+
+def test_an_async_save_is_published_only_when_its_write_has_finished(tmp_path, single_parallel):
+    """Megatron's AsyncCallsQueue (a 1-process gloo group: it gathers write results) publishes the
+    folder in the finalize step."""
+    ckpt, run = Checkpointer(tmp_path / "ckpt", async_save=True), _run()
+    _advance(run, 1.0, version=2)
+    ckpt.save(run, 1)
+    ckpt.wait()
+    assert ckpt.latest_step() == 1 and _resume(ckpt) == (1, _state(run))
+    _advance(run, 2.0, version=3)
+    ckpt.save(run, 2)  # waits for nothing in flight, schedules step 2
+    ckpt.wait()
+    assert _names(ckpt.root) == ["latest", "step_000001", "step_000002"]
+    assert _resume(ckpt) == (2, _state(run))
+
+
+def test_a_save_is_synchronous_unless_asked(tmp_path):
+    ckpt, run = Checkpointer(tmp_path / "ckpt"), _run()
+    ckpt.save(run, 1)  # no wait(): published on return
+    assert ckpt.latest_step() == 1

@@ -1,0 +1,161 @@
+"""Mutation testing (mutmut 3) of the orchestration tier, one module at a time against its own tests.
+
+    python tools/mutate.py                          # every module of MODULES (about two hours on 2 cores)
+    python tools/mutate.py megatron_rl/collectives.py megatron_rl/data/loader.py
+    python tools/mutate.py --list                   # the module -> tests map
+    make mutate                                     # the same as the first line (not run in CI)
+
+Each module gets its own scratch copy of the project under .mutate/<module>/ with a setup.cfg whose
+[mutmut] section mutates that module only and runs only its tests, so mutmut's stats collection
+and each mutant's test run stay short, and a second run resumes (mutmut keeps its results in
+.mutate/<module>/mutants/). The summary (killed / survived / timeout / other per module, the
+surviving mutants by name) is printed and written to .mutate/summary.json; `mutmut show NAME` in
+.mutate/<module>/ prints a survivor's diff. docs/testing.md records how each survivor was triaged.
+
+Subprocess tests (torchrun, spawned ranks) import the mutated copy too (PYTHONPATH points at it and
+mutmut's MUTANT_UNDER_TEST is inherited), but mutmut maps tests to functions from calls seen in its
+own process only, so a module's map should name in-process tests first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".mutate"
+COPY = ("megatron_rl", "tests", "examples", "pytest.ini", "setup.py")
+# The console script, not `python -m mutmut`: -m puts the scratch folder (unmutated sources) first
+# on sys.path, ahead of PYTHONPATH's mutated copy.
+MUTMUT = str(Path(sys.executable).with_name("mutmut"))
+
+# module -> the tests a developer runs for it (fast, in-process first; pytest arguments). Kept to what one pass on
+# 2 cores affords: about two hours for all of them (docs/testing.md has the measured times).
+MODULES: dict[str, list[str]] = {
+    # Megatron's async writer (a process forked from the mutant's forked worker) does not finish
+    # under mutmut's runner: the async test runs in the ordinary suite (docs/testing.md).
+    "megatron_rl/loop/checkpoint.py": ["tests/unit/test_checkpoint_faults.py", "--deselect",
+                                       "tests/unit/test_checkpoint_faults.py::"
+                                       "test_an_async_save_is_published_only_when_its_write_has_finished"],
+    "megatron_rl/loop/batch.py": ["tests/unit/test_rl_batch.py"],
+    "megatron_rl/loop/colocated.py": ["tests/e2e/test_colocated.py"],
+    "megatron_rl/loop/phases.py": ["tests/unit/test_phases_calib.py", "tests/e2e/test_rl_orchestration.py"],
+    "megatron_rl/loop/build.py": ["tests/e2e/test_rl_loop.py"],
+    "megatron_rl/cluster/placement.py": ["tests/unit/test_placement.py"],
+    "megatron_rl/cluster/launch.py": ["tests/unit/test_launch.py"],
+    "megatron_rl/cluster/plan.py": ["tests/unit/test_plan.py"],
+    "megatron_rl/cluster/memory.py": ["tests/unit/test_plan.py"],
+    "megatron_rl/sync/weight_sync.py": ["tests/unit/test_sync_check.py", "tests/unit/test_sync_buckets.py"],
+    "megatron_rl/sync/buckets.py": ["tests/unit/test_sync_buckets.py"],
+    "megatron_rl/sync/disk_transport.py": ["tests/unit/test_transport_disk.py"],
+    "megatron_rl/sync/sglang_transport.py": ["tests/unit/test_transport_sglang.py"],
+    "megatron_rl/rollout/sglang_client.py": ["tests/unit/test_sglang_engine.py"],
+    "megatron_rl/rollout/sglang_engine.py": ["tests/unit/test_sglang_engine.py",
+                                             "tests/unit/test_sglang_update_protocol.py"],
+    "megatron_rl/collectives.py": ["tests/unit/test_collectives.py", "tests/dist/test_host_collectives.py"],
+    "megatron_rl/rewards/runner.py": ["tests/unit/test_rewards_runner.py"],
+    "megatron_rl/data/loader.py": ["tests/unit/test_data_loader.py", "tests/unit/test_data_datasets.py"],
+    "megatron_rl/actor/packing.py": ["tests/unit/test_actor_packing.py"],
+}
+
+
+def _setup_cfg(module: str, tests: list[str]) -> str:
+    lines = "\n    ".join
+    return (
+        "[mutmut]\n"
+        "source_paths = megatron_rl\n"
+        f"only_mutate = {module}\n"
+        f"pytest_add_cli_args_test_selection =\n    {lines(tests)}\n"
+        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n"
+        "also_copy =\n    examples\n    pytest.ini\n"
+        # torch (threads, its allocator) is not fork-safe once a test ran in the parent
+        "process_isolation = forkserver\n"
+        "use_git_change_detection = false\n"
+        # A mutant's limit is 15 x its tests' measured time + this: the forked run also pays for
+        # fixtures (a gloo group, a server double) on a loaded machine.
+        "timeout_constant = 60\n"
+    )
+
+
+def _scratch(module: str, tests: list[str]) -> Path:
+    """A copy of the project for one module (refreshed sources; mutmut's results are kept)."""
+    work = WORK / module.replace("/", "__").removesuffix(".py")
+    work.mkdir(parents=True, exist_ok=True)
+    for name in COPY:
+        src, dst = ROOT / name, work / name
+        if src.is_dir():
+            shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst)
+    (work / "setup.cfg").write_text(_setup_cfg(module, tests))
+    return work
+
+
+def _results(work: Path) -> dict[str, str]:
+    """mutant name -> status, as `mutmut results --all true` reports them."""
+    out = subprocess.run([MUTMUT, "results", "--all", "true"], cwd=work,
+                         capture_output=True, text=True, check=True).stdout
+    pairs = (line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
+    return {name: status for name, status in pairs}
+
+
+def run_module(module: str, tests: list[str], max_children: int, timeout_s: float) -> dict:
+    work = _scratch(module, tests)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work / "mutants"))
+    t0 = time.monotonic()
+    with open(work / "mutmut.log", "w") as log:
+        proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children)],
+                              cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    statuses = _results(work)
+    counts = Counter(statuses.values())
+    return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
+            "returncode": proc.returncode, "mutants": len(statuses),
+            "killed": counts["killed"], "survived": counts["survived"], "timeout": counts["timeout"],
+            "other": {k: v for k, v in counts.items() if k not in ("killed", "survived", "timeout")},
+            "survivors": sorted(n for n, s in statuses.items() if s == "survived")}
+
+
+def _print(rows: list[dict]) -> None:
+    print(f"{'module':45s} {'mutants':>7s} {'killed':>6s} {'surv':>5s} {'tmout':>5s} {'rate':>6s} {'s':>7s}")
+    for r in rows:
+        judged = r["killed"] + r["survived"] + r["timeout"]
+        rate = (r["killed"] + r["timeout"]) / judged if judged else float("nan")
+        print(f"{r['module']:45s} {r['mutants']:7d} {r['killed']:6d} {r['survived']:5d} {r['timeout']:5d} "
+              f"{rate:6.1%} {r['seconds']:7.0f}")
+        for name in r["survivors"]:
+            print(f"    survived: {name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help="paths of MODULES keys (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
+    parser.add_argument("--max-children", type=int, default=2, help="parallel mutant runs (default 2)")
+    parser.add_argument("--timeout-s", type=float, default=3600, help="wall-clock limit per module")
+    args = parser.parse_args(argv)
+    if args.list:
+        for module, tests in MODULES.items():
+            print(module, "->", " ".join(tests))
+        return 0
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        raise SystemExit(f"not in tools/mutate.py MODULES: {unknown}")
+    rows = [run_module(m, MODULES[m], args.max_children, args.timeout_s) for m in args.modules or MODULES]
+    WORK.mkdir(exist_ok=True)
+    summary = WORK / "summary.json"
+    previous = {r["module"]: r for r in json.loads(summary.read_text())} if summary.exists() else {}
+    previous.update({r["module"]: r for r in rows})
+    summary.write_text(json.dumps(list(previous.values()), indent=1))
+    _print(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
