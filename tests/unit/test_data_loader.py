@@ -56,3 +56,9 @@ def test_bad_resume_states_are_refused_by_name():
     with pytest.raises(ValueError, match=r"^loader state num_items=6 != dataset size 7: the dataset changed "
                                          r"since the checkpoint$"):
         loader.load_state_dict({"epoch": 0, "position": 0, "seed": 5, "shuffle": True, "num_items": 6})
+
+
+def test_iterating_gives_the_same_batches_as_next_batch():
+    a, b = PromptLoader(list(range(5)), batch_size=2, seed=1), PromptLoader(list(range(5)), batch_size=2, seed=1)
+    batches = iter(a)
+    assert [next(batches) for _ in range(4)] == [b.next_batch() for _ in range(4)]
