@@ -37,6 +37,13 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     exit 0
 fi
 
+# megatron-core from a carried wheel (a local file: --no-deps --no-index, nothing is downloaded)
+# when the machine lacks it: MCORE_WHEEL=path/to/megatron_core-0.16.1-*.whl bash tools/gpu_check.sh
+if ! "$PYTHON" -c "import megatron.core" 2>/dev/null && [[ -n "${MCORE_WHEEL:-}" ]]; then
+    "$PYTHON" -m pip install --no-deps --no-index "$MCORE_WHEEL" > "$OUT_DIR/pip.log" 2>&1 \
+        || echo "FAIL mcore_wheel: pip install $MCORE_WHEEL failed, see $OUT_DIR/pip.log"
+fi
+
 timeout 360 "$PYTHON" - "$OUT_DIR/gpu_check.json" <<'PY'
 import importlib.util
 import json
