@@ -51,7 +51,8 @@ def test_colocated_sglang_job_one_owner_per_node_and_a_server_killed_mid_rollout
                     "hosts": [{"host": "node1", "trainer_ranks": [0, 1], "servers": servers, "router": None},
                               {"host": "node2", "trainer_ranks": [2, 3], "servers": servers, "router": None}]}
     roles = {p["rank"]: (p["role"], p["servers"]) for p in job.placements()}
-    assert roles[3] == ("client", [f"http://node2:{port}", f"http://node2:{port + 1}"])
+    # the node's second head starts at its own GPU's server (Placement.servers_for rotates the list)
+    assert roles[3] == ("client", [f"http://node2:{port + 1}", f"http://node2:{port}"])
     assert _server_logs(job) == ["node1/sglang_server_0.log", "node1/sglang_server_1.log",
                                  "node2/sglang_server_0.log", "node2/sglang_server_1.log"]
 

@@ -99,9 +99,9 @@ def test_a_step_skipped_after_the_release_pushes_the_weights_back(tmp_path, call
     assert [r["step/skipped"] for r in records] == [1.0, 0.0]
     assert records[0]["guard/nonfinite_logprobs"] > 0
     start = ["offload(('grads', 'optimizer'))", "sync", "finish_update", "offload(('params',))"]
-    skipped = ["generate", "release_memory()", "reload", "compute_logprobs", "offload(('grads', 'optimizer'))",
-               "resume_memory(('weights',))", "sync", "finish_update", "offload(('params',))",
-               "resume_memory(('kv_cache',))"]
+    skipped = ["generate", "release_memory(('weights', 'kv_cache', 'cuda_graph'))", "reload", "compute_logprobs",
+               "offload(('grads', 'optimizer'))", "resume_memory(('weights',))", "sync", "finish_update",
+               "offload(('params',))", "resume_memory(('kv_cache', 'cuda_graph'))"]
     trained = STEP[:6] + ["compute_logprobs"] + STEP[6:]
     assert calls == start + skipped + trained
     # the skipped step re-published the start-up weights (version 2); the trained step's sync is 3
