@@ -18,7 +18,6 @@ Shapes: B = sequences in the micro-batch, T = padded response length. All per-to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -30,14 +29,13 @@ from megatron_rl.algo.rollout_correction import (
     mismatch_metrics,
     rejection_mask,
 )
-from megatron_rl.algo.surrogates import (  # noqa: F401 (clipped_surrogate, LOG_RATIO_CLAMP: public here too)
+from megatron_rl.algo.surrogates import (  # noqa: F401 (LOG_RATIO_CLAMP: public here too)
     CLIPPED_MODES,
     LOG_RATIO_CLAMP,
     LOSS_MODES,
     SEQUENCE_RATIO_MODES,
     ClipMasks,
     Surrogate,
-    clipped_surrogate,
     sequence_mean,
     surrogate,
 )

@@ -133,12 +133,12 @@ def _dataset_kwargs(data_cfg) -> dict:
     return dict(prompt_key=d.prompt_key, answer_key=d.answer_key, max_prompt_len=d.max_prompt_len, fmt=fmt)
 
 
-def read_prompts(cfg: RunConfig, tokenizer, path: str = "", records: list | None = None):
-    """A PromptDataset from a .jsonl / .parquet file or in-memory records, with the training data's
+def read_prompts(data_cfg, tokenizer, path: str = "", records: list | None = None):
+    """A PromptDataset from a .jsonl / .parquet file or in-memory records, with a `data` section's
     keys, prompt formatting and length limit (training and evaluation share this path)."""
     from megatron_rl.data.datasets import PromptDataset
 
-    kw = _dataset_kwargs(cfg.data)
+    kw = _dataset_kwargs(data_cfg)
     if records is not None:
         return PromptDataset.from_records(records, tokenizer, **kw)
     reader = PromptDataset.from_parquet if Path(path).suffix == ".parquet" else PromptDataset.from_jsonl
@@ -148,18 +148,14 @@ def read_prompts(cfg: RunConfig, tokenizer, path: str = "", records: list | None
 def build_dataset(data_cfg, tokenizer, seed: int):
     """The PromptDataset a `data` section describes (training and evaluation sets alike): the file
     at data_cfg.path, or the built-in task; keys, answers and prompt formatting from the section."""
-    from megatron_rl.data.datasets import PromptDataset
     from megatron_rl.data.tasks import make_task_dataset
 
     d = data_cfg
-    kw = _dataset_kwargs(d)
-    if d.path:
-        path = Path(d.path)
-        if not path.is_file():
-            raise ValueError(f"config key 'data.path': no such file {path}")
-        reader = PromptDataset.from_parquet if path.suffix == ".parquet" else PromptDataset.from_jsonl
-        return reader(str(path), tokenizer, **kw)
-    return PromptDataset.from_records(make_task_dataset(d.task, d.num_examples, seed=seed), tokenizer, **kw)
+    if not d.path:
+        return read_prompts(d, tokenizer, records=make_task_dataset(d.task, d.num_examples, seed=seed))
+    if not Path(d.path).is_file():
+        raise ValueError(f"config key 'data.path': no such file {d.path}")
+    return read_prompts(d, tokenizer, d.path)
 
 
 def build_data(cfg: RunConfig, tokenizer, parallel):

@@ -96,9 +96,9 @@ def build_eval_sets(cfg, tokenizer) -> list[EvalSet]:
             _check_eval_file(Path(d.path), cfg.data.prompt_key, cfg.data.answer_key, f"{key}.path")
         if spec is not None:
             records = held_out_records(cfg, d.task, d.max_examples or DEFAULT_TASK_EXAMPLES)
-            items = build.read_prompts(cfg, tokenizer, records=records)
+            items = build.read_prompts(cfg.data, tokenizer, records=records)
         else:
-            items = build.read_prompts(cfg, tokenizer, d.path)
+            items = build.read_prompts(cfg.data, tokenizer, d.path)
         prompts = list(items)[: d.max_examples or None]
         sets.append(EvalSet(d, prompts, reward, get_answer_extractor(reward),
                             spec.valid_format if spec else None, eval_metric_names(d)))

@@ -67,7 +67,6 @@ def rollout_quant_spec(cfg) -> RolloutQuantSpec:
     """What the weight sync sends: from rollout.sglang.model_path when the servers load a given
     checkpoint, else from `precision` (an automatic conversion uses exactly those settings). For
     SGLang, unquantized tensors travel in BF16."""
-    sg = cfg.rollout.sglang
     if cfg.rollout.engine != "sglang":
         return RolloutQuantSpec.from_config(cfg.precision)
     if cfg.precision.rollout_quant in ("nvfp4", "mxfp4"):

@@ -6,8 +6,6 @@ import itertools
 import time
 from collections.abc import Iterator
 
-import torch
-
 from megatron_rl import collectives
 from megatron_rl.sync.buckets import NamedTensor, iter_buckets, tensor_bytes
 from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
