@@ -87,13 +87,7 @@ def run(cfg: RunConfig) -> dict[str, float]:
                 metrics.update(_evaluate(run_, evaluator, best, step, step + 1, memory))
             _add_health(detector, step, metrics, warn=run_.is_log_rank)
             run_.logger.log(step, metrics)
-            if run_.save_due(step) or run_.hf_export_due(step):
-                with memory.trainer_on_device():
-                    run_.maybe_save(step)
-                    if run_.hf_export_due(step):
-                        run_.export_hf(step)
-                if best is not None:
-                    best.saved(run_.checkpointer.latest_step())
+            _save(run_, step, memory, best)
             if _stop_after(run_, step, memory):
                 break
     finally:
@@ -138,6 +132,19 @@ def _stop_after(run_: build.Run, step: int, memory: ColocatedMemory) -> bool:
             with open(os.environ["MEGATRON_RL_STOP_FILE"], "w") as f:
                 f.write(f"{step + 1}\n")
     return True
+
+
+def _save(run_: build.Run, step: int, memory: ColocatedMemory, best) -> None:
+    """The step's checkpoint and HF export when due (the trainer on the device for them), then the
+    best-checkpoint bookkeeping of what was published."""
+    if not (run_.save_due(step) or run_.hf_export_due(step)):
+        return
+    with memory.trainer_on_device():
+        run_.maybe_save(step)
+        if run_.hf_export_due(step):
+            run_.export_hf(step)
+    if best is not None:
+        best.saved(run_.checkpointer.latest_step())
 
 
 def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:
