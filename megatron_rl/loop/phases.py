@@ -336,7 +336,7 @@ def _logprobs(run, batch: Batch, fp8: bool = True, model=None) -> torch.Tensor:
 
 def _old_logprobs(run, batch: Batch) -> torch.Tensor:
     """The trainer's old log-probs; with calibrated FP8 KV scales the same forward records K/V amax."""
-    calibration = getattr(run, "kv_calibration", None)
+    calibration = run.kv_calibration
     if calibration is None:
         return _logprobs(run, batch)
     with calibration.recording(run.actor.model):
