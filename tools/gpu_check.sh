@@ -7,7 +7,8 @@
 #
 # One line per check, `PASS name: detail`, `FAIL name: error` or `SKIP name: reason`, then the
 # JSON of every check in OUT_DIR/gpu_check.json; exit 1 when any check fails. Budget: the Python
-# checks run under one 6-minute timeout, SGLang's pytest under 2 minutes (< 8 minutes in all).
+# checks run under one 4-minute timeout, the tiny loop, the CUDA pytest and SGLang's pytest under 2
+# minutes each.
 #
 # Checks (a ~0.2B model unless stated; TE = the Transformer Engine layer spec):
 #   wgrad_fusion          gradient_accumulation_fusion follows apex's import, and the TE actor builds
@@ -20,6 +21,8 @@
 #   chunked_logprobs      logprob_chunk_size=128 equals the whole-vocab pass (1e-4)
 #   plan_peak             cluster/memory.py's trainer estimate vs max_memory_allocated (~1B, 4K tokens):
 #                         within [0.8, 1.5] x
+#   tiny_loop             the whole loop of examples/tiny/fp8_calibrated.yaml on the GPU, 4 steps (local spec)
+#   pytest_gpu            tests/gpu/test_actor_gpu.py and test_plan_memory.py (CUDA only, no TE or SGLang)
 #   sglang                tests/gpu/test_sglang_smoke.py + test_sglang_ipc_payload.py on real SGLang: BF16
 #                         launch, log-probs vs HF, each transport; and a block-FP8 checkpoint with an FP8
 #                         KV cache and CUDA graphs in the memory saver: the protocol's release tags, the
@@ -44,7 +47,7 @@ if ! "$PYTHON" -c "import megatron.core" 2>/dev/null && [[ -n "${MCORE_WHEEL:-}"
         || echo "FAIL mcore_wheel: pip install $MCORE_WHEEL failed, see $OUT_DIR/pip.log"
 fi
 
-timeout 360 "$PYTHON" - "$OUT_DIR/gpu_check.json" <<'PY'
+timeout 240 "$PYTHON" - "$OUT_DIR/gpu_check.json" <<'PY'
 import importlib.util
 import json
 import math
@@ -279,7 +282,25 @@ open(sys.argv[1], "w").write(json.dumps(RESULTS, indent=1))
 sys.exit(0 if ok else 1)
 PY
 rc=$?
-[[ $rc -eq 124 ]] && echo "FAIL python_checks: timed out after 360 s"
+[[ $rc -eq 124 ]] && echo "FAIL python_checks: timed out after 240 s"
+
+# The whole loop on this GPU (embedded engine, blockwise FP8 emulated on the local spec): warm start,
+# 4 GRPO steps with Calibrated Clipping, held-out eval, checkpoints. Only its log and metrics come back.
+timeout 120 "$PYTHON" -m megatron_rl.cli train examples/tiny/fp8_calibrated.yaml parallel.transformer_impl=local \
+    train.num_steps=4 train.sft_steps=10 eval.every=0 checkpoint.save_every=2 log.dir=/tmp/gpu_check_tiny_loop \
+    > "$OUT_DIR/tiny_loop.log" 2>&1
+lrc=$?
+cp /tmp/gpu_check_tiny_loop/metrics.jsonl "$OUT_DIR/tiny_loop_metrics.jsonl" 2>/dev/null
+steps=$(grep -c '"step"' "$OUT_DIR/tiny_loop_metrics.jsonl" 2>/dev/null || echo 0)
+if [[ $lrc -eq 0 && $steps -ge 4 ]]; then echo "PASS tiny_loop: $steps metric rows on cuda"
+else echo "FAIL tiny_loop: rc=$lrc, $steps metric rows (see $OUT_DIR/tiny_loop.log)"; rc=1; fi
+
+# The CUDA-only tests of the suite that need neither TE nor SGLang.
+timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_actor_gpu.py tests/gpu/test_plan_memory.py \
+    > "$OUT_DIR/pytest_gpu.log" 2>&1
+grc=$?
+line="$(tail -n 1 "$OUT_DIR/pytest_gpu.log")"
+if [[ $grc -eq 0 ]]; then echo "PASS pytest_gpu: $line"; else echo "FAIL pytest_gpu: rc=$grc $line (see $OUT_DIR/pytest_gpu.log)"; rc=1; fi
 
 if "$PYTHON" -c "import sglang, pytest" 2>/dev/null; then
     timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_sglang_smoke.py tests/gpu/test_sglang_ipc_payload.py \
