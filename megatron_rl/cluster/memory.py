@@ -10,7 +10,9 @@ Sources of the formulas (docs/plan.md has the derivations):
   s*b*h*(18 + 4*ffn/h) bytes per layer / TP with sequence parallel and selective recompute (flash
   attention never stores the s x s scores, so no recompute is the same), s*b*h*(10 + 24/TP)
   without SP; full recompute keeps each layer's 2*s*b*h input plus one recompute chunk; PP keeps
-  min(pp, micro-batches) micro-batches in flight on the first stage.
+  min(pp, micro-batches) micro-batches in flight on the first stage. The local spec (no flash
+  attention) also stores the s x s scores: 6 bytes each with BF16 parameters (measured on an H200:
+  the plan without them was 0.51x the peak of a 0.9B model at 4K tokens; _attention_score_bytes).
 - rollout: SGLang 0.5.23 mem_cache/kv_cache_configurator.py:2990-3060 (_profile_available_bytes):
   KV pool = free memory after loading the weights - free memory at start x (1 - mem_fraction_static),
   free memory at start measured by the server process before loading (model_runner.py:1262,
@@ -83,6 +85,7 @@ def _activation_bytes(cfg: RunConfig, spec: ModelSpec, s: ResolvedSettings, toke
         per_layer = sbh * (18 + 4 * spec.ffn_hidden_size / spec.hidden_size) / tp
     else:
         per_layer = sbh * (10 + 24 / tp)
+    per_layer += _attention_score_bytes(cfg, spec, s, tokens)
     layers = spec.num_layers / pp
     if par.recompute_granularity == "full":
         kept = 2 * sbh / (tp if s.sequence_parallel else 1)
@@ -93,6 +96,24 @@ def _activation_bytes(cfg: RunConfig, spec: ModelSpec, s: ResolvedSettings, toke
     # 1F1B: the first stage holds pp micro-batches' activations (and their embedding inputs:
     # 8 bytes per token id + the embedding output).
     return (stored + (8 * tokens + sbh) / tp) * pp
+
+
+def _attention_score_bytes(cfg: RunConfig, spec: ModelSpec, s: ResolvedSettings, tokens: int) -> float:
+    """The s x s attention scores one layer stores for backward on the local spec (Megatron's unfused
+    DotProductAttention; TE's flash / fused attention stores none). Megatron-Core 0.16.1
+    fused_softmax.py forward_torch_softmax (attention_softmax_in_fp32): the FP32 softmax output is
+    saved by the softmax, and with BF16 parameters its BF16 cast by the bmm with V
+    (dot_product_attention.py: torch.bmm(attention_probs, value)): 4 + 2 bytes per score; FP32
+    parameters: 4 (one tensor). attention_dropout is 0, so the dropout is the identity (no mask).
+    Selective recompute recomputes the core attention instead of storing it."""
+    if s.transformer_impl != "local" or cfg.parallel.recompute_granularity == "selective":
+        return 0.0
+    par = cfg.parallel
+    packed = cfg.train.max_tokens_per_micro_batch > 0
+    rows = 1 if packed else cfg.train.micro_batch_size
+    seq = tokens / rows  # a packed row: the scores span the whole row (its mask blocks across documents)
+    heads = spec.num_attention_heads / par.tensor_model_parallel_size
+    return (6 if s.bf16 else 4) * rows * heads * seq * seq / par.context_parallel_size
 
 
 def _logprob_bytes(cfg: RunConfig, spec: ModelSpec, tokens: int) -> float:

@@ -2,7 +2,7 @@
 
 A Qwen3-shaped model, a few layers, BF16 parameters with the mixed-precision optimizer: after one
 train step the allocated weights + gradient buffer + optimizer state must be what the plan says
-within 5%, and the peak within the plan's trainer total.
+within 5%, and the peak within the plan's trainer total (the local spec: its s x s attention scores count).
 """
 
 import pytest
@@ -21,7 +21,7 @@ def test_plan_bounds_the_measured_peak(tiny_hf_factory, single_parallel):
     hf_dir = tiny_hf_factory("qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                              num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                              vocab_size=32768, max_position_embeddings=4096)
-    cfg = load_config(None, [f"model.hf_dir={hf_dir}", "train.micro_batch_size=1",
+    cfg = load_config(None, [f"model.hf_dir={hf_dir}", "parallel.transformer_impl=local", "train.micro_batch_size=1",
                              "data.max_prompt_len=64", "rollout.max_new_tokens=1984"])
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

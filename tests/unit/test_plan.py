@@ -140,3 +140,32 @@ def test_kv_pool_is_sized_as_sglang_sizes_it(mode):
         # Training keeps the engine's graphs and context; generation the trainer's context and FP8 caches.
         assert result["peak_gb_per_gpu"] == pytest.approx(max(
             t["total"] + r["cuda_graphs"] + r["cuda_context"], r["total"] + t["cuda_context"] + t["fp8_weight_cache"]), abs=0.05)
+
+
+@pytest.mark.parametrize("params_dtype", ["fp32", "bf16"])
+def test_planned_attention_scores_equal_what_the_local_spec_saves(qwen2_dir, single_parallel, params_dtype):
+    """The s x s tensors autograd keeps for backward in a real local-spec train step (counted by a
+    saved-tensors hook, each storage once) are the plan's attention-score term, byte for byte."""
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.cluster.memory import _attention_score_bytes
+    from megatron_rl.actor.settings import resolve_settings
+
+    rows, seq = 2, 24
+    dtype = torch.bfloat16 if params_dtype == "bf16" else torch.float32
+    actor = MegatronActor.build(qwen2_dir, parallel=single_parallel, params_dtype=dtype)
+    batch = {"tokens": torch.randint(0, 128, (rows, seq)), "loss_mask": torch.ones(rows, seq)}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.dim() >= 2 and tuple(t.shape[-2:]) == (seq, seq) and t.numel() > seq * seq:  # the shared causal mask is [1, 1, s, s]
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        actor.train_step(batch, lambda lp, ent, mb: ((lp * mb["loss_mask"]).sum(), {}), micro_batch_size=rows)
+    cfg = load_config(None, [f"model.hf_dir={qwen2_dir}", f"precision.params_dtype={params_dtype}",
+                             f"train.micro_batch_size={rows}", "data.max_prompt_len=4", f"rollout.max_new_tokens={seq - 4}"])
+    spec = ModelSpec.from_hf_config(qwen2_dir)
+    per_layer = _attention_score_bytes(cfg, spec, resolve_settings(cfg, cuda=False), rows * seq)
+    assert per_layer == (6 if params_dtype == "bf16" else 4) * rows * spec.num_attention_heads * seq * seq
+    assert sum(seen.values()) == per_layer * spec.num_layers
