@@ -83,6 +83,36 @@ ARMS = {  # the arms of one setting (stage "arms") besides its BF16 baseline; ""
 }
 
 
+# ---- the held-out surge study (stage heldout; docs/reproduction.md, "Does Calibrated Clipping help
+# beyond TIS?"): the paper's configuration (TIS on in every arm), 150 steps, held-out accuracy of the
+# chain task at the start, every 25 steps and at the end, in the rollout precision and in BF16.
+HELDOUT_EVAL = ["train.num_steps=150", "eval.every=25", "eval.precision=both"]
+GSPO = ["algo.loss_mode=gspo", "algo.loss_agg_mode=seq-mean-token-mean", "algo.eps_clip=3.0e-4",
+        "algo.eps_clip_high=4.0e-4", "algo.use_tis=true", "algo.tis_level=sequence",
+        # the histogram (calibration or its diagnosis) on sequence ratios: a bin of 2.9e-5 in log r,
+        # a tenth of the GSPO band (config.py checks it)
+        "calib.level=sequence", "calib.log_ratio_range=0.03", "calib.low_min=0.99", "calib.high_max=1.01"]
+SEQ_CC = ["calib.enabled=true"]
+TIS_ON = ["algo.use_tis=true"]
+HELDOUT_ARMS = {  # run name -> overrides; the first two are the declared primary comparison
+    "heldout_nvfp4_tis": [*PIPELINES["nvfp4"], *TIS_ON, "calib.enabled=false", "calib.diagnose=true"],
+    "heldout_nvfp4_calibrated_tis": [*PIPELINES["nvfp4"], *TIS_ON, "calib.enabled=true"],
+    "heldout_bf16_tis": [*BF16, *TIS_ON, "calib.enabled=false"],
+    "heldout_nvfp4_gspo_tis": [*PIPELINES["nvfp4"], *GSPO, "calib.enabled=false", "calib.diagnose=true"],
+    "heldout_nvfp4_gspo_seq_calibrated_tis": [*PIPELINES["nvfp4"], *GSPO, *SEQ_CC],
+}
+HELDOUT_SEEDS = list(range(1, 9))
+HELDOUT_REFERENCE = "heldout_nvfp4_tis"  # differences of held-out accuracy are taken against this arm
+
+
+def heldout_jobs(runs: dict[str, list[str]], seeds: list[int]) -> list[tuple[str, int]]:
+    """The declared run order: the primary pair (NVFP4 + TIS, + CC) over every seed first, then the
+    other arms seed by seed, so a cut budget leaves the primary comparison complete."""
+    primary = [n for n in runs if n in list(HELDOUT_ARMS)[:2]]
+    rest = [n for n in runs if n not in primary]
+    return [(n, s) for s in seeds for n in primary] + [(n, s) for s in seeds for n in rest]
+
+
 def screen_runs() -> dict[str, list[str]]:
     """Run name -> overrides. Names are shared with the arms stage, so seed 1 of a setting's
     vanilla and BF16 runs is reused there (same folder, already done)."""
@@ -133,6 +163,10 @@ def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
     if args.stage == "screen":
         return HERE / "surge.yaml", _subset(screen_runs(), args.variants), "runs/surge", "docs/reproduction/surge/screen", \
             "Entropy-surge study: the screen (seed 1, vanilla low precision vs BF16)"
+    if args.stage == "heldout":
+        return (HERE / "surge.yaml", {n: [*HELDOUT_EVAL, *o] for n, o in _subset(HELDOUT_ARMS, args.variants).items()},
+                "runs/surge_heldout", "docs/reproduction/surge/heldout",
+                "Held-out surge study: does Calibrated Clipping help beyond TIS?")
     if not args.setting:
         raise SystemExit("--stage arms needs --setting (one of the grid's settings)")
     return (HERE / "surge.yaml", _subset(arm_runs(args.setting), args.variants), "runs/surge",
@@ -142,11 +176,12 @@ def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", choices=["precision", "surge"], default="precision")
-    parser.add_argument("--stage", choices=["screen", "arms"], default="screen", help="surge study only")
+    parser.add_argument("--stage", choices=["screen", "arms", "heldout"], default="screen", help="surge study only")
     parser.add_argument("--setting", default="", help="surge study, stage arms: a setting of the grid")
     parser.add_argument("--variants", nargs="*", default=None,
                         help="a subset of the study's runs (precision: variants; surge: run names of the stage)")
-    parser.add_argument("--seeds", nargs="*", type=int, default=[1])
+    parser.add_argument("--seeds", nargs="*", type=int, default=None,
+                        help="default: 1 (the held-out stage: its declared seeds 1-8)")
     parser.add_argument("--steps", type=int, default=None, help="override train.num_steps")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one core each)")
     parser.add_argument("--runs-dir", default=None)
@@ -160,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     base, runs, runs_dir, out, title = _plan(args)
     root, out = Path(args.runs_dir or runs_dir), args.out or out
     extra = list(args.overrides) + ([f"train.num_steps={args.steps}"] if args.steps else [])
-    jobs = [(v, s) for s in args.seeds for v in runs]
+    heldout = args.study == "surge" and args.stage == "heldout"
+    seeds = args.seeds or (HELDOUT_SEEDS if heldout else [1])
+    jobs = heldout_jobs(runs, seeds) if heldout else [(v, s) for s in seeds for v in runs]
     with ThreadPoolExecutor(args.jobs) as pool:  # a failed run does not cancel the others
         futures = [pool.submit(run_one, v, runs[v], base, s, root, extra) for v, s in jobs]
     done, failed = [], []
