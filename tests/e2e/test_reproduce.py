@@ -65,3 +65,35 @@ def test_surge_harness_screens_then_reuses_the_screen_runs_in_the_arms(tmp_path)
     md = (tmp_path / "arms" / "report.md").read_text()
     assert "| chain_bf16 | chain_nvfp4 | chain_nvfp4_tis | chain_nvfp4_calibrated | chain_nvfp4_lower_only |" in md
     assert float(_cells(md, "calibrated L (applied)")[3]) > 0
+
+
+def test_heldout_stage_runs_the_primary_pair_first_and_reports_intervals(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
+    from run import HELDOUT_ARMS, heldout_jobs
+
+    order = heldout_jobs(HELDOUT_ARMS, [1, 2, 3])
+    primary = {"heldout_nvfp4_tis", "heldout_nvfp4_calibrated_tis"}
+    assert {name for name, _ in order[:6]} == primary and [s for _, s in order[:6]] == [1, 1, 2, 2, 3, 3]
+    assert len(order) == 15 and not primary & {name for name, _ in order[6:]}
+
+    run_py = str(ROOT / "examples" / "reproduce" / "run.py")
+    cmd = [sys.executable, run_py, "--study", "surge", "--stage", "heldout", "--steps", "2", "--seeds", "1", "2",
+           "--jobs", "2", "--variants", "heldout_nvfp4_tis", "heldout_nvfp4_calibrated_tis",
+           "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "arms"), *SMALL, "rollout.max_new_tokens=12"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = [sys.executable, str(ROOT / "examples" / "reproduce" / "heldout_stats.py"),
+             "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "heldout")]
+    proc = subprocess.run(stats, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (tmp_path / "heldout" / "report.md").read_text()
+    assert "4 of the 40 declared runs finished" in md
+    row = next(line for line in md.splitlines() if line.startswith("| heldout_nvfp4_calibrated_tis |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2 (1,2)" and cells[2][:3] in ("0/2", "1/2", "2/2")
+    diff, low, high = (float(x) for x in cells[5].replace("[", " ").replace("]", " ").replace(",", " ").split())
+    assert low <= diff <= high and -1.0 <= low and high <= 1.0
+    start, end = (float(x) for x in cells[4].split("->"))
+    assert 0.0 <= start <= 1.0 and 0.0 <= end <= 1.0
+    assert "| heldout_nvfp4_tis vs heldout_nvfp4_calibrated_tis |" in md
+    assert (tmp_path / "heldout" / "heldout.png").stat().st_size > 1000
