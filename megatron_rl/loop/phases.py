@@ -458,6 +458,10 @@ def _renamed(metrics: dict[str, float], names: dict[str, str]) -> dict[str, floa
 
 # Loss-metric key carrying the calibration histogram of one micro-batch (popped before reducing).
 HIST_KEY = "calib/_histogram"
+# With calib.dump_dir: the histogram's inputs of one micro-batch, stacked [len(HIST_INPUTS), B, T],
+# dumped next to the histogram so that it can be rebuilt independently (tests/e2e/test_calib_dump.py).
+HIST_INPUTS_KEY = "calib/_histogram_inputs"
+HIST_INPUTS = ("logprobs", "old_logprobs", "rollout_logprobs", "ratio_ref", "advantages", "loss_mask")
 
 
 def _shadow_old(run, mb: Batch) -> None:
@@ -508,11 +512,13 @@ def _calibrate(run, metric_dicts: list[dict], step: int) -> dict[str, float]:
     hist = run.controller.new_histogram()
     for m in metric_dicts:
         hist.merge(m.pop(HIST_KEY))
+    inputs = [m.pop(HIST_INPUTS_KEY) for m in metric_dicts if HIST_INPUTS_KEY in m]
+    local = hist.payload.clone()  # this rank's micro-batches, before the DP all-reduce
     out = run.controller.update_from_histogram(hist, reduce=run.parallel.dp_reducer(), step=step)
     assert_same_across_model_parallel(run.controller.bounds, run.parallel)
     _log_calibration(run, out, step)
     if run.cfg.calib.dump_dir and run.is_log_rank:
-        _dump_histogram(run, hist, step)
+        _dump_histogram(run, hist, step, local, inputs)
     return out if run.cfg.calib.enabled else _renamed(out, DIAGNOSE_KEYS)
 
 
@@ -536,14 +542,21 @@ def _log_calibration(run, out: dict[str, float], step: int) -> None:
         log.info("step %d: previous bound kept (%s)", step, ", ".join(k.split("/")[1] for k in kept))
 
 
-def _dump_histogram(run, hist, step: int) -> None:
+def _dump_histogram(run, hist, step: int, local: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+    """calib_<step>.pt: the reduced histogram, this rank's own (local_payload) and the inputs it was
+    built from, one [len(HIST_INPUTS), B, T] tensor per micro-batch (micro_batches)."""
     from pathlib import Path
 
+    a = run.cfg.algo
     path = Path(run.cfg.calib.dump_dir)
     path.mkdir(parents=True, exist_ok=True)
     torch.save({"step": step, "payload": hist.payload, "eps_low": hist.eps_low, "eps_high": hist.eps_high,
                 "num_bins": hist.num_bins, "log_ratio_range": hist.log_ratio_range,
-                "bounds": run.controller.bounds}, path / f"calib_{step:06d}.pt")
+                "bounds": run.controller.bounds, "local_payload": local, "input_names": HIST_INPUTS,
+                "micro_batches": inputs,
+                "algo": {"use_tis": a.use_tis, "tis_mode": a.tis_mode, "tis_clip": a.tis_clip,
+                         "loss_agg_mode": a.loss_agg_mode, "level": run.cfg.calib.level}},
+               path / f"calib_{step:06d}.pt")
 
 
 def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: bool = False):
@@ -565,6 +578,9 @@ def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: 
             ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
         if calibrating:
             metrics[HIST_KEY] = _histogram_payload(run, logprobs, mb)
+            if run.cfg.calib.dump_dir:
+                metrics[HIST_INPUTS_KEY] = torch.stack(
+                    [(logprobs if k == "logprobs" else mb[k]).detach().float().cpu() for k in HIST_INPUTS])
         return loss, metrics
     return loss_fn
 
