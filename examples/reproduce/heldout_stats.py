@@ -2,6 +2,7 @@
 beyond TIS?") from the finished runs of `run.py --study surge --stage heldout`:
 
   python examples/reproduce/heldout_stats.py [--runs-dir runs/surge_heldout] [--out docs/reproduction/surge/heldout]
+  python examples/reproduce/heldout_stats.py --runs-dir runs/sweep     # the same grid run by slurm/sweep.sbatch
 
 Writes report.md (per-arm table, Fisher tests, per-run table) and heldout.png (held-out avg@4 over
 steps, mean and +-1 standard deviation across seeds, in the rollout precision and in BF16).
@@ -16,6 +17,8 @@ import re
 import statistics
 import sys
 from pathlib import Path
+
+import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -32,12 +35,24 @@ FISHER_PAIRS = [("heldout_nvfp4_tis", "heldout_nvfp4_calibrated_tis"),  # primar
                 *((arm, "heldout_bf16_tis") for arm in HELDOUT_ARMS if arm != "heldout_bf16_tis")]
 
 
+def finished(run_dir: Path) -> bool:
+    """The harness's `done` marker, or (a run of slurm/sweep.sbatch) a last logged step that is the
+    run's last (train.num_steps of its config.yaml)."""
+    if (run_dir / "done").exists():
+        return True
+    if not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "config.yaml").is_file():
+        return False
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    steps = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["num_steps"]
+    return bool(records) and records[-1]["step"] + 1 == steps
+
+
 def load(runs_dir: Path) -> dict[str, dict[int, list[dict]]]:
-    """arm -> seed -> records, finished runs only (the harness's `done` marker)."""
+    """arm -> seed -> records, finished runs only."""
     out: dict[str, dict[int, list[dict]]] = {arm: {} for arm in HELDOUT_ARMS}
     for d in sorted(runs_dir.glob("*_seed*")):
         m = re.fullmatch(r"(.+)_seed(\d+)", d.name)
-        if m and m[1] in out and (d / "done").exists():
+        if m and m[1] in out and finished(d):
             out[m[1]][int(m[2])] = read_jsonl(d / "metrics.jsonl")
     return out
 

@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one core each)")
     parser.add_argument("--runs-dir", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--write-sweep", default="", metavar="SWEEP.txt",
+                        help="write the grid as slurm/sweep.sbatch's run list (one line per run, in the run "
+                             "order) and exit; submit it with sbatch --array=0-<lines-1>")
     parser.add_argument("overrides", nargs="*", help="extra section.key=value for every run")
     args = parser.parse_args(argv)
     if args.study == "precision" and args.variants:
@@ -198,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     heldout = args.study == "surge" and args.stage == "heldout"
     seeds = args.seeds or (HELDOUT_SEEDS if heldout else [1])
     jobs = heldout_jobs(runs, seeds) if heldout else [(v, s) for s in seeds for v in runs]
+    if args.write_sweep:
+        lines = [" ".join([f"{v}_seed{s}", *runs[v], f"train.seed={s}", *extra]) for v, s in jobs]
+        Path(args.write_sweep).write_text("\n".join(lines) + "\n")
+        print(f"{args.write_sweep}: {len(lines)} runs; sbatch --array=0-{len(lines) - 1} slurm/sweep.sbatch "
+              f"{args.write_sweep} {base.relative_to(HERE.parents[1])}")
+        return 0
     with ThreadPoolExecutor(args.jobs) as pool:  # a failed run does not cancel the others
         futures = [pool.submit(run_one, v, runs[v], base, s, root, extra) for v, s in jobs]
     done, failed = [], []
