@@ -6,6 +6,7 @@ import base64
 import datetime
 import hashlib
 import io
+import json
 import os
 import pickle
 import threading
@@ -81,6 +82,11 @@ class ServerState:
         self.cond = threading.Condition()
         self.gen_lock = threading.Lock()
         self.log: list[str] = []
+        # SGLANG_DOUBLE_RECORD=<folder>: one JSON line per request into <folder>/<port>.jsonl with the
+        # server's state as the request arrives (paused, weight version, update session open,
+        # released memory tags), so a test can assert what the client did when.
+        record = os.environ.get("SGLANG_DOUBLE_RECORD", "")
+        self.record_file = Path(record) / f"{args.port}.jsonl" if record else None
         self.deferred: list = []
 
     # ---- routing -------------------------------------------------------------------------
@@ -88,12 +94,21 @@ class ServerState:
     def handle(self, path: str, body: dict):
         with self.cond:
             self.log.append(path)
+            self._record(path)
         self._apply_deferred()
         route = ROUTES.get(path)
         if route is None:
             return 404, {"error": f"no route {path}"}
         validate_body(path, body)
         return route(self, body)
+
+    def _record(self, path: str) -> None:
+        if self.record_file is None:
+            return
+        line = {"path": path, "paused": self.paused, "weight_version": self.weight_version,
+                "update_session": self.session is not None, "released": sorted(self.released), "t": time.time()}
+        with open(self.record_file, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def health(self, body):
         return 200, ""

@@ -4,6 +4,7 @@ double, launched by the engine through rollout.sglang.server_command / router_co
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def test_tiny_loop_against_sglang_doubles(tmp_path_factory, monkeypatch, mode, r
     monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
     root = tmp_path_factory.getbasetemp() / "sglang_e2e"  # shares the warm-started tiny model
     log_dir = root / f"{mode}_{recipe}"
+    record = tmp_path_factory.mktemp(f"record_{mode}_{recipe}")
+    monkeypatch.setenv("SGLANG_DOUBLE_RECORD", str(record))  # every request with the server's state
     config, extra = RECIPES[recipe]
     cfg = load_config(EXAMPLES / config, [*TINY, *extra, *sglang_overrides(mode), f"log.dir={log_dir}"])
     try:
@@ -59,6 +62,32 @@ def test_tiny_loop_against_sglang_doubles(tmp_path_factory, monkeypatch, mode, r
         assert r["sync/check_mismatches"] == 0.0 and math.isfinite(r["reward/mean"])
     if recipe == "fp8":
         assert (log_dir / "rollout_fp8" / "config.json").is_file()  # the servers started from block-FP8
+    assert_no_generation_while_paused(record, mode)
+
+
+def assert_no_generation_while_paused(record: Path, mode: str) -> None:
+    """Per server: no /generate arrives while it is paused, inside an update session or released;
+    the weight version that generation sees only moves forward and moves (the updates land); in the
+    disaggregated layout every weight update arrives while generation is paused."""
+    files = sorted(record.glob("*.jsonl"))  # one per server (the router double records nothing)
+    served = 0
+    for f in files:
+        events = [json.loads(line) for line in f.read_text().splitlines()]
+        generate = [e for e in events if e["path"] == "/generate"]
+        served += len(generate)
+        if not generate:  # the router's cache-aware policy may keep one server idle at this size
+            continue
+        bad = [e for e in generate if e["paused"] or e["update_session"] or e["released"]]
+        assert not bad, (f.name, bad[:3])
+        versions = [e["weight_version"] for e in generate]
+        order = list(dict.fromkeys(versions))  # first-seen order of the versions
+        # versions come in blocks, in order: once a newer one is served, an older one never returns
+        assert len(order) >= 2 and all(order.index(a) <= order.index(b) for a, b in zip(versions, versions[1:])), \
+            (f.name, versions)
+        if mode == "disaggregated":
+            updates = [e for e in events if e["path"].startswith("/update_weights_from")]
+            assert updates and all(e["paused"] for e in updates), (f.name, [e for e in updates if not e["paused"]][:3])
+    assert served > 0
 
 
 @pytest.mark.timeout(300)
