@@ -83,11 +83,13 @@ def _optimizer_tensors(state, prefix: str = ""):
             yield from _optimizer_tensors(value, f"{prefix}/{i}")
 
 
-def snapshot(run_) -> dict[str, Any]:
+def snapshot(run_, weights: bool = False) -> dict[str, Any]:
     """What a step may change: controller, data cursor, engine, trainer weights and optimizer.
-    Collective under TP / PP (the weight export gathers): every rank takes it at the same point."""
-    sent = quantize_for_rollout(run_.actor.export_hf_weights(), run_.sync.quant)
-    return {
+    Collective under TP / PP (the weight export gathers): every rank takes it at the same point.
+    weights: also the full (gathered) HF weights, unquantized, as {name: tensor}."""
+    exported = [(n, t.detach().clone()) for n, t in run_.actor.export_hf_weights()]
+    sent = quantize_for_rollout(iter(exported), run_.sync.quant)
+    return {**({"weights": dict(exported)} if weights else {}),
         "controller": dict(run_.controller.state_dict()),
         "loader": dict(run_.loader.state_dict()),
         "sync_version": run_.sync.version,
@@ -107,7 +109,7 @@ def _copy(batch: dict) -> dict:
 class _Spy:
     """Installs the spies on a built run; `pending` collects the events of the running step."""
 
-    def __init__(self, run_, trace: Trace) -> None:
+    def __init__(self, run_, trace: Trace, weights: bool = False) -> None:
         self.pending, self.updates = [], 0
         actor, engine = run_.actor, run_.engine
         self.engine = engine
@@ -120,7 +122,7 @@ class _Spy:
         logger_log = run_.logger.log
 
         def log(step: int, metrics: dict[str, float]) -> None:
-            trace.steps.append(Step(dict(metrics), self.pending, snapshot(run_)))
+            trace.steps.append(Step(dict(metrics), self.pending, snapshot(run_, weights)))
             self.pending = []
             logger_log(step, metrics)
         run_.logger.log = log
@@ -193,7 +195,7 @@ def check_sample_flow(trace: Trace, step: Step) -> list[float]:
     Returns this rank's rewards, every round's."""
     n = trace.cfg.rollout.n_samples_per_prompt
     answers = {tuple(item.prompt_ids): item.answer for item in trace.dataset}
-    reward_fn = get_reward_fn(trace.cfg.reward.name)
+    reward_fn = get_reward_fn(build.reward_name(trace.cfg))  # the run's: reward.name, else the task's
     expected: dict[tuple, list] = {}
     all_rewards, kept_groups = [], 0
     for generate, score in zip(step.of("generate"), step.of("score"), strict=True):  # refill: rounds
@@ -227,8 +229,9 @@ def check_sample_flow(trace: Trace, step: Step) -> list[float]:
     return all_rewards
 
 
-def trace_run(log_dir: Path, config: str, *overrides: str, setup=None) -> Trace:
-    """megatron_rl.train.run on the tiny config with spies; `setup(run_)` runs right after build."""
+def trace_run(log_dir: Path, config: str, *overrides: str, setup=None, weights: bool = False) -> Trace:
+    """megatron_rl.train.run on the tiny config with spies; `setup(run_)` runs right after build;
+    weights: every snapshot also holds the full HF weights (snapshot)."""
     from megatron_rl.actor.parallel import destroy_parallel
     from megatron_rl.train import run
 
@@ -243,10 +246,10 @@ def trace_run(log_dir: Path, config: str, *overrides: str, setup=None) -> Trace:
         run_ = real_build(cfg_)
         if setup is not None:
             setup(run_)
-        trace.initial = snapshot(run_)
+        trace.initial = snapshot(run_, weights)
         trace.dataset = [run_.loader.dataset[i] for i in range(len(run_.loader.dataset))]
         trace.tokenizer = run_.tokenizer
-        _Spy(run_, trace)
+        _Spy(run_, trace, weights)
         return run_
 
     with pytest.MonkeyPatch.context() as mp:
