@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _job import ROOT, TINY, Job, check_against_plan, free_port, tracebacks  # noqa: E402
+from sglang_testing import assert_no_generation_while_paused  # noqa: E402
 
 DOUBLES = ROOT / "tests" / "doubles"
 
@@ -39,7 +40,10 @@ def _server_logs(job: Job) -> list[str]:
 
 def test_colocated_sglang_job_one_owner_per_node_and_a_server_killed_mid_rollout(cluster, tmp_path):
     died = tmp_path / "died"  # the double exits inside the first /generate it serves, once
-    job = Job(cluster, tmp_path, "colocated.sbatch", *_sglang(tmp_path, "--die-on-generate-once", str(died)))
+    record = tmp_path / "record"  # every request the servers got, with their state (paused, version)
+    record.mkdir()
+    job = Job(cluster, tmp_path, "colocated.sbatch", *_sglang(tmp_path, "--die-on-generate-once", str(died)),
+              env={"SGLANG_DOUBLE_RECORD": str(record)})
     assert job.wait() == "COMPLETED" and job.exit_code == "0:0", job.output  # nothing of it left either
     assert job.steps() == [0, 1, 2] and died.exists()
     assert tracebacks(job) == [], job.output  # both nodes' torchrun end cleanly (the exit barrier)
@@ -55,6 +59,9 @@ def test_colocated_sglang_job_one_owner_per_node_and_a_server_killed_mid_rollout
     assert roles[3] == ("client", [f"http://node2:{port + 1}", f"http://node2:{port}"])
     assert _server_logs(job) == ["node1/sglang_server_0.log", "node1/sglang_server_1.log",
                                  "node2/sglang_server_0.log", "node2/sglang_server_1.log"]
+    # the clients (ranks 1 and 3) generate on their node's servers only after the owner resumed them
+    assert len(list(record.glob("*.jsonl"))) == 4
+    assert_no_generation_while_paused(record, "colocated")
 
 
 def _disaggregated(tmp: Path, *server_flags: str) -> list[str]:
@@ -63,7 +70,10 @@ def _disaggregated(tmp: Path, *server_flags: str) -> list[str]:
 
 
 def test_disaggregated_sglang_job_runs_and_stops_its_servers(cluster, tmp_path):
-    job = Job(cluster, tmp_path, "disaggregated.sbatch", *_disaggregated(tmp_path), env={"MEGATRON_RL_ROLLOUT_NODES": "1"})
+    record = tmp_path / "record"
+    record.mkdir()
+    job = Job(cluster, tmp_path, "disaggregated.sbatch", *_disaggregated(tmp_path),
+              env={"MEGATRON_RL_ROLLOUT_NODES": "1", "SGLANG_DOUBLE_RECORD": str(record)})
     assert job.wait() == "COMPLETED" and job.exit_code == "0:0", job.output  # servers and router gone too
     assert job.steps() == [0, 1, 2] and tracebacks(job) == []
     plan = check_against_plan(job)
@@ -73,6 +83,9 @@ def test_disaggregated_sglang_job_runs_and_stops_its_servers(cluster, tmp_path):
                                                           "servers": [], "router": None}
     assert plan["transport_owners"] == [0] and [p["role"] for p in job.placements()] == ["owner", "client"]
     assert len(_server_logs(job)) == 3  # two servers and the router, under the rollout host's folder
+    # rank 1 (a client) samples through the router while rank 0 updates the servers: only the
+    # barrier that ends every sync keeps its /generate out of the update (no colocated protocol here)
+    assert_no_generation_while_paused(record, "disaggregated")
 
 
 def _running_step(job: Job) -> None:

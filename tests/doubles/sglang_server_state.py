@@ -82,11 +82,11 @@ class ServerState:
         self.cond = threading.Condition()
         self.gen_lock = threading.Lock()
         self.log: list[str] = []
-        # SGLANG_DOUBLE_RECORD=<folder>: one JSON line per request into <folder>/<port>.jsonl with the
+        # SGLANG_DOUBLE_RECORD=<folder>: one JSON line per request into <folder>/<host>_<port>.jsonl with the
         # server's state as the request arrives (paused, weight version, update session open,
         # released memory tags), so a test can assert what the client did when.
         record = os.environ.get("SGLANG_DOUBLE_RECORD", "")
-        self.record_file = Path(record) / f"{args.port}.jsonl" if record else None
+        self.record_file = Path(record) / f"{args.host}_{args.port}.jsonl" if record else None
         self.deferred: list = []
 
     # ---- routing -------------------------------------------------------------------------

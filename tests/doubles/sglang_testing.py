@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -66,3 +67,29 @@ def make_engine(model_dir: Path, num_servers: int = 1, extra_by_server=None, **c
                        server_command=SERVER_COMMAND, router_command=ROUTER_COMMAND, **cfg_kw)
     argv_fn = double_argv(cfg, model_dir, extra_by_server) if extra_by_server else None
     return SGLangEngine(cfg, model_dir, argv_fn=argv_fn)
+
+
+def assert_no_generation_while_paused(record: Path, mode: str) -> None:
+    """The server doubles' request records (SGLANG_DOUBLE_RECORD=<record>, one file per server),
+    per server: no /generate arrives while it is paused, inside an update session or released;
+    the weight version that generation sees only moves forward and moves (the updates land); in the
+    disaggregated layout every weight update arrives while generation is paused."""
+    files = sorted(record.glob("*.jsonl"))  # one per server (the router double records nothing)
+    served = 0
+    for f in files:
+        events = [json.loads(line) for line in f.read_text().splitlines()]
+        generate = [e for e in events if e["path"] == "/generate"]
+        served += len(generate)
+        if not generate:  # the router's cache-aware policy may keep one server idle at this size
+            continue
+        bad = [e for e in generate if e["paused"] or e["update_session"] or e["released"]]
+        assert not bad, (f.name, bad[:3])
+        versions = [e["weight_version"] for e in generate]
+        order = list(dict.fromkeys(versions))  # first-seen order of the versions
+        # versions come in blocks, in order: once a newer one is served, an older one never returns
+        assert len(order) >= 2 and all(order.index(a) <= order.index(b) for a, b in zip(versions, versions[1:])), \
+            (f.name, versions)
+        if mode == "disaggregated":
+            updates = [e for e in events if e["path"].startswith("/update_weights_from")]
+            assert updates and all(e["paused"] for e in updates), (f.name, [e for e in updates if not e["paused"]][:3])
+    assert served > 0
