@@ -45,6 +45,7 @@ MODULES: dict[str, list[str]] = {
                                        "tests/unit/test_checkpoint_faults.py::"
                                        "test_an_async_save_is_published_only_when_its_write_has_finished"],
     "megatron_rl/loop/batch.py": ["tests/unit/test_rl_batch.py"],
+    "megatron_rl/loop/refill.py": ["tests/unit/test_refill_plan.py"],
     "megatron_rl/loop/colocated.py": ["tests/e2e/test_colocated.py"],
     "megatron_rl/loop/phases.py": ["tests/unit/test_phases_calib.py", "tests/e2e/test_rl_orchestration.py"],
     "megatron_rl/loop/build.py": ["tests/e2e/test_rl_loop.py"],
