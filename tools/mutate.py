@@ -111,10 +111,16 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
     work = _scratch(module, tests)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work / "mutants"))
     t0 = time.monotonic()
-    with open(work / "mutmut.log", "w") as log:
-        proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children)],
-                              cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-    statuses = _results(work)
+    for attempt in range(2):
+        with open(work / "mutmut.log", "a" if attempt else "w") as log:
+            proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children)],
+                                  cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        statuses = _results(work)
+        # mutmut 3.8's first run in a fresh folder (the one that generates the mutants) can stop at
+        # its stats step with "could not find any test case for any mutant" and every mutant "not
+        # checked"; the next run, which finds the mutants generated, maps and checks them.
+        if any(status != "not checked" for status in statuses.values()):
+            break
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
             "returncode": proc.returncode, "mutants": len(statuses),

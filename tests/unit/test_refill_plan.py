@@ -37,3 +37,20 @@ def test_needs_more_until_target_or_the_limit():
     assert needs_more(algo(max_gen_batches=0), 999, one * 50, step=0)  # 0: no limit
     with pytest.raises(RuntimeError, match="algo.max_gen_batches=3"):
         needs_more(algo(on_max_gen_batches="fail"), 99, one * 3, step=0)
+
+
+def test_at_the_limit_the_message_says_what_was_kept_and_what_to_change(caplog):
+    three = [torch.tensor([1, 0])] * 3
+    with caplog.at_level("WARNING", logger="megatron_rl.loop.refill"):
+        assert not needs_more(algo(), 8, three, step=4)
+    assert caplog.messages == ["step 4: 3 of 8 informative groups after algo.max_gen_batches=3 generation rounds: "
+                               "training on those (algo.on_max_gen_batches=train)"]
+    with pytest.raises(RuntimeError) as err:
+        needs_more(algo(on_max_gen_batches="fail"), 8, three, step=4)
+    assert str(err.value) == ("step 4: 3 of 8 informative groups after algo.max_gen_batches=3 generation rounds "
+                              "(algo.on_max_gen_batches=fail): the prompts are too easy or too hard for the policy; "
+                              "raise algo.max_gen_batches or set it to 0 (no limit)")
+
+
+def test_a_plan_over_no_rounds_takes_nothing():
+    assert plan([], 8, dp_rank=0) == ([], 0, 0)

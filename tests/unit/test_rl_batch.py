@@ -33,6 +33,18 @@ def test_mini_batches_partition_the_rows():
     assert sorted(torch.cat([p["tokens"] for p in parts]).flatten().tolist()) == list(range(10))
 
 
+def test_the_split_is_the_step_generators_whatever_the_global_rng():
+    """Every DP rank (and a resumed run) must draw the same split: it comes from the step's seeded
+    generator (the permutation torch draws from that seed, in 3 near-equal parts), never from the
+    process's global RNG."""
+    batch = {"tokens": torch.arange(10)[:, None]}
+    expected = torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        parts = mini_batches(batch, 3, torch.Generator().manual_seed(5))
+        assert [p["tokens"].flatten().tolist() for p in parts] == [expected[:4], expected[4:7], expected[7:]]
+
+
 def test_pad_rows_adds_fully_masked_rows():
     batch = {"tokens": torch.tensor([[3, 4], [5, 6], [7, 8]]), "loss_mask": torch.ones(3, 2),
              "advantages": torch.full((3, 2), 2.0)}
