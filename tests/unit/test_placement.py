@@ -23,6 +23,7 @@ def test_colocated_plan_by_hand():
     assert [p.rollout_role(r) for r in range(8)] == ["owner", None, "client", None, "owner", None, "client", None]
     assert p.servers_for(4) == ["http://b:30000", "http://b:30001"] == p.owned_servers(4)
     assert p.servers_for(6) == ["http://b:30001", "http://b:30000"]  # head 6 prefers its own GPUs 2-3
+    assert p.servers_for(7) == ["http://b:30000", "http://b:30001"]  # a TP peer (samples nothing): the host's
     assert p.owned_servers(6) == [] and p.starts_servers(4) and not p.starts_servers(6)
     assert p.local_rank(6) == 2 and p.master_addr == "a" and p.router_url == ""
 
@@ -54,6 +55,8 @@ def test_embedded_plan_every_replica_owns_its_engine():
     p = plan_placement(["a", "b"], 2, layout="embedded", tp=2)
     assert p.to_dict()["hosts"][1] == {"host": "b", "trainer_ranks": [2, 3], "servers": [], "router": None}
     assert p.transport_owners == (0, 2) and p.owned_servers(0) == []
+    # two replicas on one host each own their in-process engine (not one owner per host)
+    assert plan_placement(["a"], 2, layout="embedded").transport_owners == (0, 1)
 
 
 @pytest.mark.parametrize("hosts, gpus, layout, tp, pp, stp, roll", [
@@ -110,3 +113,38 @@ def test_each_rank_gets_the_sglang_settings_of_its_role():
     owner = sglang_config_for(cfg, p, 0)
     assert owner.server_urls == ["http://r:30000", "http://r:30001"] and owner.router_url == "http://r:30999"
     assert owner.nccl_master_addr == "t" and sglang_config_for(cfg, p, 1).server_urls == owner.server_urls
+
+
+@pytest.mark.parametrize("tp, cp, pp, expected", [
+    # by hand, Megatron's order (tp fastest, then cp, dp, pp), 8 ranks on 2 hosts of 4 GPUs:
+    # (tp, cp, dp, pp) of ranks 0..7
+    (2, 1, 2, [(0, 0, 0, 0), (1, 0, 0, 0), (0, 0, 1, 0), (1, 0, 1, 0),
+               (0, 0, 0, 1), (1, 0, 0, 1), (0, 0, 1, 1), (1, 0, 1, 1)]),
+    (2, 2, 1, [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0),
+               (0, 0, 1, 0), (1, 0, 1, 0), (0, 1, 1, 0), (1, 1, 1, 0)]),
+])
+def test_rank_coordinates_follow_megatrons_order(tp, cp, pp, expected):
+    if pp == 1:
+        p = plan_placement(["a", "b"], 4, layout="colocated", tp=tp, cp=cp)
+    else:  # colocated needs pipeline stage 0 on every host: the servers on a host of their own
+        p = plan_placement(["r", "a", "b"], 4, layout="disaggregated", tp=tp, cp=cp, pp=pp, rollout_nodes=1)
+    got = [p.coords(r) for r in range(8)]
+    assert [(c["tp"], c["cp"], c["dp"], c["pp"]) for c in got] == expected
+    assert all(type(v) is int for c in got for v in c.values())  # ranks, not floats
+    heads = [r for r in range(8) if p.is_replica_head(r)]
+    assert heads == [r for r, (t, c, _, s) in enumerate(expected) if t == c == s == 0]
+
+
+def test_the_configs_parallel_and_server_settings_reach_the_plan():
+    from megatron_rl.cluster.placement import placement_for_config
+    from megatron_rl.config import load_config
+
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
+                             "rollout.sglang.weight_transport=nccl", "rollout.sglang.tp_size=2",
+                             "rollout.sglang.base_port=31000", "rollout.sglang.router_port=31500",
+                             "parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
+    p = placement_for_config(cfg, ["r", "t1", "t2"], 4, rollout_nodes=1)
+    assert (p.layout, p.world_size, p.gpus_per_node, p.tp, p.cp, p.pp) == ("disaggregated", 8, 4, 2, 1, 2)
+    assert [s.gpus for s in p.hosts[0].servers] == [(0, 1), (2, 3)]  # servers of rollout.sglang.tp_size GPUs
+    assert [s.port for s in p.hosts[0].servers] == [31000, 31001] and p.hosts[0].router_port == 31500
+    assert placement_for_config(load_config(None, []), ["a"], 2).layout == "embedded"  # the torch engine

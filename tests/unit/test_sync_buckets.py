@@ -1,5 +1,6 @@
 """Bucket planning and ordering of the weight stream; tensor digests."""
 
+import pytest
 import torch
 
 from megatron_rl.sync.buckets import iter_buckets
@@ -25,6 +26,26 @@ def test_scale_never_opens_a_new_bucket():
              ("b.weight", torch.zeros(16, dtype=torch.float8_e4m3fn))]
     buckets = list(iter_buckets(iter(named), bucket_bytes=16))
     assert [[n for n, _ in b] for b in buckets] == [["a.weight", "a.weight_scale_inv"], ["b.weight"]]
+
+
+def test_every_bucket_after_the_first_gets_the_whole_budget():
+    named = _named([10, 10, 10, 10, 10, 10])  # 40 bytes each: exactly two per 80-byte bucket
+    buckets = list(iter_buckets(iter(named), bucket_bytes=80))
+    assert [len(b) for b in buckets] == [2, 2, 2]
+
+
+def test_a_per_tensor_scale_stays_with_its_weight():
+    named = [("a.weight", torch.zeros(16, dtype=torch.float8_e4m3fn)),
+             ("a.weight_scale", torch.ones((), dtype=torch.float32)),  # tensorwise FP8: one scalar
+             ("b.weight", torch.zeros(16, dtype=torch.float8_e4m3fn))]
+    buckets = list(iter_buckets(iter(named), bucket_bytes=16))
+    assert [[n for n, _ in b] for b in buckets] == [["a.weight", "a.weight_scale"], ["b.weight"]]
+
+
+def test_the_bucket_size_must_be_positive():
+    with pytest.raises(ValueError, match="bucket size must be > 0 bytes, got 0"):
+        list(iter_buckets(iter(_named([1])), bucket_bytes=0))
+    assert [len(b) for b in iter_buckets(iter(_named([1, 1])), bucket_bytes=1)] == [1, 1]  # 1 byte: one each
 
 
 def test_buckets_are_lazy():
