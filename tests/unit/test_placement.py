@@ -148,3 +148,30 @@ def test_the_configs_parallel_and_server_settings_reach_the_plan():
     assert [s.gpus for s in p.hosts[0].servers] == [(0, 1), (2, 3)]  # servers of rollout.sglang.tp_size GPUs
     assert [s.port for s in p.hosts[0].servers] == [31000, 31001] and p.hosts[0].router_port == 31500
     assert placement_for_config(load_config(None, []), ["a"], 2).layout == "embedded"  # the torch engine
+
+
+@pytest.mark.parametrize("hosts, gpus, kw, message", [
+    ([], 2, dict(layout="colocated"), "hosts []: need at least one host, each named once"),
+    (["a", "a"], 2, dict(layout="colocated"), "hosts ['a', 'a']: need at least one host, each named once"),
+    (["a"], 0, dict(layout="colocated"), "gpus per node must be >= 1, got 0"),
+    (["r", "t"], 2, dict(layout="disaggregated"),
+     "rollout nodes = 0: disaggregated needs between 1 and 1 of the 2 nodes for SGLang "
+     "(MEGATRON_RL_ROLLOUT_NODES / --rollout-nodes)"),
+    (["a", "b", "c"], 1, dict(layout="embedded", pp=2),
+     "world size 3 (3 trainer nodes x 1 GPUs) is not divisible by parallel.tensor_model_parallel_size x "
+     "context_parallel_size x pipeline_model_parallel_size = 2"),
+    (["a", "b", "c"], 1, dict(layout="embedded", cp=2),
+     "world size 3 (3 trainer nodes x 1 GPUs) is not divisible by parallel.tensor_model_parallel_size x "
+     "context_parallel_size x pipeline_model_parallel_size = 2"),
+    (["a", "b"], 2, dict(layout="colocated", pp=2),
+     "colocated servers on b have no rank of pipeline stage 0 with tp = cp = 0 to send them weights (CUDA IPC "
+     "is node-local): keep pipeline stage 0 of a replica on every node or use the disaggregated layout"),
+])
+def test_bad_plans_are_refused_with_the_whole_reason(hosts, gpus, kw, message):
+    with pytest.raises(ValueError) as err:
+        plan_placement(hosts, gpus, **kw)
+    assert str(err.value) == message
+
+
+def test_the_torch_engine_ignores_the_sglang_server_size():
+    assert plan_placement(["a"], 2, layout="embedded", server_tp=3).transport_owners == (0, 1)
