@@ -175,3 +175,9 @@ def test_bad_plans_are_refused_with_the_whole_reason(hosts, gpus, kw, message):
 
 def test_the_torch_engine_ignores_the_sglang_server_size():
     assert plan_placement(["a"], 2, layout="embedded", server_tp=3).transport_owners == (0, 1)
+
+
+def test_a_rank_outside_the_world_is_named():
+    with pytest.raises(ValueError) as err:
+        plan_placement(["a", "b"], 4, layout="colocated").host_of(8)
+    assert str(err.value) == "rank 8 is outside the world of 8 trainer ranks"
