@@ -135,6 +135,40 @@ def arm_table(data: dict[str, dict[int, list[dict]]]) -> str:
     return "\n".join(rows)
 
 
+def first_quarter(records: list[dict], key: str) -> float:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    vals = vals[:max(1, len(vals) // 4)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+MECHANISM = [  # (column, statistic, metric): what each arm's clipping did, and where the policy went
+    ("lower bound, mean", mean_of, "calib/low"),
+    ("clipped low A<0 (FP8)", mean_of, "clip/low_neg"),
+    ("false lower clip A<0", mean_of, "shadow/false_clip_low_neg"),
+    ("log-ratio std FP8", mean_of, "shadow/log_ratio_fp8_std"),
+    ("log-ratio std BF16", mean_of, "shadow/log_ratio_bf16_std"),
+    ("rollout mismatch, first quarter", first_quarter, "mismatch/abs_logprob_diff"),
+    ("rollout mismatch, last quarter", last_quarter, "mismatch/abs_logprob_diff"),
+    ("entropy, first quarter", first_quarter, "entropy"),
+    ("entropy, last quarter", last_quarter, "entropy"),
+]
+
+
+def mechanism_table(data: dict[str, dict[int, list[dict]]]) -> str:
+    """Seed means per arm of what the clipping did and how far the trainer drifted from the engine
+    (mismatch: mean |log p_trainer - log p_rollout| per token, before the update)."""
+    rows = ["| arm | " + " | ".join(c for c, _, _ in MECHANISM) + " |", "|" + "---|" * (len(MECHANISM) + 1)]
+    for arm, runs in data.items():
+        if not runs:
+            continue
+        cells = []
+        for _, stat, key in MECHANISM:
+            vals = [v for recs in runs.values() if (v := stat(recs, key)) == v]
+            cells.append(fmt(statistics.mean(vals), 3) if vals else "")
+        rows.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def fisher_table(data: dict[str, dict[int, list[dict]]]) -> str:
     rows = ["| arms | entropy rule: surges, p | garbled rule: surges, p |", "|---|---|---|"]
     for a, b in FISHER_PAIRS:
@@ -217,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
              "arm, 10,000 resamples). False lower clip: mean over the BF16-shadow steps (token arms: "
              "token ratios; GSPO arms: sequence ratios).", "",
              "## Surge counts (two-sided Fisher exact test)", "", fisher_table(data), "",
+             "## What the clipping did (seed means)", "", mechanism_table(data), "",
+             "Over every step of each run; the shadow columns over the BF16-shadow steps; first / last quarter: "
+             "of the logged steps.", "",
              "![held-out accuracy](heldout.png)", "", "## Per run", "", run_table(data), ""]
     (out / "report.md").write_text("\n".join(lines))
     print(out / "report.md")
