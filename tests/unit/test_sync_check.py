@@ -84,3 +84,69 @@ def test_digest_leaves_the_tensor_resizable():
     t = torch.arange(6, dtype=torch.float32)
     tensor_digest(t)
     assert t.untyped_storage().resizable()
+
+
+class _RecordingTransport(InProcessTransport):
+    """InProcessTransport that records the protocol calls: (call, version, tensor names)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.calls = []
+
+    def begin(self, version: int) -> None:
+        self.calls.append(("begin", version, None))
+        super().begin(version)
+
+    def send(self, bucket, version: int) -> None:
+        self.calls.append(("send", version, [n for n, _ in bucket]))
+        super().send(bucket, version)
+
+    def finish(self, version: int) -> None:
+        self.calls.append(("finish", version, None))
+        super().finish(version)
+
+
+def test_each_sync_is_one_version_in_buckets_of_the_budget_with_its_size_counted(actor, qwen2_dir, monkeypatch):
+    from megatron_rl import collectives
+
+    barriers = []
+    monkeypatch.setattr(collectives, "barrier", lambda group=None: barriers.append(group))
+    engine = TorchRolloutEngine(qwen2_dir, rollout_quant="fp8_blockwise", kv_cache_dtype="fp8_e4m3")
+    transport = _RecordingTransport(engine)
+    scales = [("model.layers.0.self_attn.k_scale", torch.tensor(0.5)), ("model.layers.0.self_attn.v_scale", torch.tensor(2.0))]
+    sync = WeightSync(actor, transport, QUANT, bucket_mb=0.02, kv_scales=lambda: scales)
+    sent = [*quantize_for_rollout(actor.export_hf_weights(), QUANT), *scales]
+    total = sum(t.numel() * t.element_size() for _, t in sent)
+    # by hand: greedy buckets of at most 0.02 MiB (a scale joins its weight)
+    budget, expected, size = int(0.02 * 2**20), [[]], 0
+    for name, t in sent:
+        nbytes = t.numel() * t.element_size()
+        if expected[-1] and size + nbytes > budget and not name.endswith(("_scale_inv", ".weight_scale")):
+            expected.append([])
+            size = 0
+        expected[-1].append(name)
+        size += nbytes
+    assert len(expected) > 2  # several buckets: a wrong budget shows
+    for version in (1, 2):
+        metrics = sync.sync()
+        calls = transport.calls[-(len(expected) + 2):]
+        assert calls == [("begin", version, None), *(("send", version, b) for b in expected), ("finish", version, None)]
+        assert (metrics["sync/version"], metrics["sync/bytes"], metrics["sync/num_buckets"]) == (version, total, len(expected))
+        assert sync.version == version == engine.weight_version
+    assert len(transport.calls) == 2 * (len(expected) + 2) and barriers == []  # no clients: no barrier
+
+
+def test_a_rank_without_a_transport_feeds_its_peer_and_waits_for_the_owners(actor, monkeypatch):
+    from megatron_rl import collectives
+
+    barriers, fed = [], []
+    monkeypatch.setattr(collectives, "barrier", lambda group=None: barriers.append(group))
+    sync = WeightSync(actor, None, QUANT, bucket_mb=0.02, wait_for_owners=True, wait_group="world",
+                      peer=lambda bucket: fed.append([n for n, _ in bucket]))
+    metrics = sync.sync()
+    names = [n for n, _ in quantize_for_rollout(actor.export_hf_weights(), QUANT)]
+    assert [n for b in fed for n in b] == names and len(fed) > 2  # every bucket, in order
+    assert (metrics["sync/bytes"], metrics["sync/num_buckets"], metrics["sync/version"]) == (0.0, 0.0, 1.0)
+    assert barriers == ["world"]  # once per sync, on the given group, after the buckets
+    sync.sync()
+    assert barriers == ["world", "world"]
