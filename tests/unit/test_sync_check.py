@@ -3,6 +3,8 @@ flipped byte, or a tensor the engine never received (so it still serves the old 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -128,7 +130,12 @@ def test_each_sync_is_one_version_in_buckets_of_the_budget_with_its_size_counted
         size += nbytes
     assert len(expected) > 2  # several buckets: a wrong budget shows
     for version in (1, 2):
+        t0 = time.perf_counter()
         metrics = sync.sync()
+        wall = time.perf_counter() - t0
+        assert 0 < metrics["sync/seconds"] <= wall
+        assert metrics["sync/gb_per_s"] == pytest.approx(total / metrics["sync/seconds"] / 1e9)
+        assert "sync/check_mismatches" not in metrics  # check mode is off unless asked
         calls = transport.calls[-(len(expected) + 2):]
         assert calls == [("begin", version, None), *(("send", version, b) for b in expected), ("finish", version, None)]
         assert (metrics["sync/version"], metrics["sync/bytes"], metrics["sync/num_buckets"]) == (version, total, len(expected))
