@@ -75,15 +75,26 @@ def first(records: list[dict], key: str) -> float:
     return next((r[key] for r in records if r.get(key) is not None), math.nan)
 
 
-def mean_of(records: list[dict], key: str) -> float:
-    vals = [r[key] for r in records if r.get(key) is not None]
+def _values(records: list[dict], key: str) -> list[float]:
+    return [r[key] for r in records if r.get(key) is not None]
+
+
+def _mean(vals: list[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
+
+
+def mean_of(records: list[dict], key: str) -> float:
+    return _mean(_values(records, key))
+
+
+def first_quarter(records: list[dict], key: str) -> float:
+    vals = _values(records, key)
+    return _mean(vals[:max(1, len(vals) // 4)])
 
 
 def last_quarter(records: list[dict], key: str) -> float:
-    vals = [r[key] for r in records if r.get(key) is not None]
-    vals = vals[-max(1, len(vals) // 4):]
-    return sum(vals) / len(vals) if vals else math.nan
+    vals = _values(records, key)
+    return _mean(vals[-max(1, len(vals) // 4):])
 
 
 def onsets(runs: dict[int, list[dict]], key: str) -> list[int]:
@@ -121,8 +132,7 @@ def arm_table(data: dict[str, dict[int, list[dict]]]) -> str:
         bf16 = [final(r, ACC_BF16) for r in recs]
 
         def avg(f, key):
-            vals = [v for r in recs if (v := f(r, key)) == v]
-            return sum(vals) / len(vals) if vals else math.nan
+            return _mean([v for r in recs if (v := f(r, key)) == v])  # v == v: not NaN
 
         rows.append(
             f"| {arm} | {n} ({','.join(map(str, sorted(runs)))}) | {len(ent)}/{n} {tuple(ent) if ent else ''} "
@@ -133,12 +143,6 @@ def arm_table(data: dict[str, dict[int, list[dict]]]) -> str:
             f"| {fmt(avg(mean_of, 'shadow/false_clip_low_neg'), 4)} "
             f"| {fmt(avg(first, 'reward/mean'))} -> {fmt(avg(last_quarter, 'reward/mean'))} |")
     return "\n".join(rows)
-
-
-def first_quarter(records: list[dict], key: str) -> float:
-    vals = [r[key] for r in records if r.get(key) is not None]
-    vals = vals[:max(1, len(vals) // 4)]
-    return sum(vals) / len(vals) if vals else math.nan
 
 
 MECHANISM = [  # (column, statistic, metric): what each arm's clipping did, and where the policy went

@@ -513,11 +513,12 @@ def _calibrate(run, metric_dicts: list[dict], step: int) -> dict[str, float]:
     for m in metric_dicts:
         hist.merge(m.pop(HIST_KEY))
     inputs = [m.pop(HIST_INPUTS_KEY) for m in metric_dicts if HIST_INPUTS_KEY in m]
-    local = hist.payload.clone()  # this rank's micro-batches, before the DP all-reduce
+    dumps = _dumps_calibration(run)
+    local = hist.payload.clone() if dumps else None  # this rank's micro-batches, before the DP all-reduce
     out = run.controller.update_from_histogram(hist, reduce=run.parallel.dp_reducer(), step=step)
     assert_same_across_model_parallel(run.controller.bounds, run.parallel)
     _log_calibration(run, out, step)
-    if run.cfg.calib.dump_dir and run.is_log_rank:
+    if dumps:
         _dump_histogram(run, hist, step, local, inputs)
     return out if run.cfg.calib.enabled else _renamed(out, DIAGNOSE_KEYS)
 
@@ -540,6 +541,11 @@ def _log_calibration(run, out: dict[str, float], step: int) -> None:
                         "calib/high_undefined", "calib/low_edge") if out.get(k)]
     if kept:
         log.info("step %d: previous bound kept (%s)", step, ", ".join(k.split("/")[1] for k in kept))
+
+
+def _dumps_calibration(run) -> bool:
+    """calib.dump_dir is set and this rank writes it (the log rank)."""
+    return bool(run.cfg.calib.dump_dir) and run.is_log_rank
 
 
 def _dump_histogram(run, hist, step: int, local: torch.Tensor, inputs: list[torch.Tensor]) -> None:
@@ -578,7 +584,7 @@ def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: 
             ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
         if calibrating:
             metrics[HIST_KEY] = _histogram_payload(run, logprobs, mb)
-            if run.cfg.calib.dump_dir:
+            if _dumps_calibration(run):
                 metrics[HIST_INPUTS_KEY] = torch.stack(
                     [(logprobs if k == "logprobs" else mb[k]).detach().float().cpu() for k in HIST_INPUTS])
         return loss, metrics

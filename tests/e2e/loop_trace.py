@@ -87,8 +87,8 @@ def snapshot(run_, weights: bool = False) -> dict[str, Any]:
     """What a step may change: controller, data cursor, engine, trainer weights and optimizer.
     Collective under TP / PP (the weight export gathers): every rank takes it at the same point.
     weights: also the full (gathered) HF weights, unquantized, as {name: tensor}."""
-    exported = [(n, t.detach().clone()) for n, t in run_.actor.export_hf_weights()]
-    sent = quantize_for_rollout(iter(exported), run_.sync.quant)
+    exported = [(n, t.detach().clone()) for n, t in run_.actor.export_hf_weights()] if weights else None
+    sent = quantize_for_rollout(iter(exported) if weights else run_.actor.export_hf_weights(), run_.sync.quant)
     return {**({"weights": dict(exported)} if weights else {}),
         "controller": dict(run_.controller.state_dict()),
         "loader": dict(run_.loader.state_dict()),
