@@ -22,7 +22,7 @@
 #   plan_peak             cluster/memory.py's trainer estimate vs max_memory_allocated (~1B, 4K tokens):
 #                         within [0.8, 1.5] x
 #   tiny_loop             the whole loop of examples/tiny/fp8_calibrated.yaml on the GPU, 4 steps (local spec)
-#   pytest_gpu            tests/gpu/test_actor_gpu.py and test_plan_memory.py (CUDA only, no TE or SGLang)
+#   pytest_gpu            tests/gpu/test_actor_gpu.py, test_plan_memory.py and test_packing_cuda.py (CUDA only, no TE or SGLang)
 #   sglang                tests/gpu/test_sglang_smoke.py + test_sglang_ipc_payload.py on real SGLang: BF16
 #                         launch, log-probs vs HF, each transport; and a block-FP8 checkpoint with an FP8
 #                         KV cache and CUDA graphs in the memory saver: the protocol's release tags, the
@@ -296,7 +296,7 @@ if [[ $lrc -eq 0 && $steps -ge 4 ]]; then echo "PASS tiny_loop: $steps metric ro
 else echo "FAIL tiny_loop: rc=$lrc, $steps metric rows (see $OUT_DIR/tiny_loop.log)"; rc=1; fi
 
 # The CUDA-only tests of the suite that need neither TE nor SGLang.
-timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_actor_gpu.py tests/gpu/test_plan_memory.py \
+timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu/test_actor_gpu.py tests/gpu/test_plan_memory.py tests/gpu/test_packing_cuda.py \
     > "$OUT_DIR/pytest_gpu.log" 2>&1
 grc=$?
 line="$(tail -n 1 "$OUT_DIR/pytest_gpu.log")"

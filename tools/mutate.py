@@ -61,10 +61,30 @@ MODULES: dict[str, list[str]] = {
     "megatron_rl/rollout/sglang_engine.py": ["tests/unit/test_sglang_engine.py",
                                              "tests/unit/test_sglang_update_protocol.py"],
     "megatron_rl/collectives.py": ["tests/unit/test_collectives.py", "tests/dist/test_host_collectives.py"],
-    "megatron_rl/rewards/runner.py": ["tests/unit/test_rewards_runner.py"],
+    "megatron_rl/rewards/runner.py": ["tests/unit/test_rewards_worker.py", "tests/unit/test_rewards_runner.py"],
     "megatron_rl/data/loader.py": ["tests/unit/test_data_loader.py", "tests/unit/test_data_datasets.py"],
     "megatron_rl/actor/packing.py": ["tests/unit/test_actor_packing.py"],
 }
+
+
+# module -> {function: tests that reach it only in processes they spawn (gloo ranks, torchrun)}; "*"
+# stands for the module's other functions. mutmut maps a test to the functions it saw called in its
+# own process, so these functions would be "no tests", or tested only by a one-process shortcut;
+# after the ordinary run, each mutant that survived it or had no test is run again with its
+# function's spawned tests added.
+_HOST_DIST = "tests/dist/test_host_collectives.py::"
+SPAWNED: dict[str, dict[str, list[str]]] = {
+    "megatron_rl/collectives.py": {
+        "make_host_groups": [_HOST_DIST + "test_collectives_on_four_processes_use_group_ranks_where_they_must",
+                             _HOST_DIST + "test_host_groups_wait_as_long_as_their_own_timeout"],
+        "rendezvous_group_as_rank0": ["tests/dist/test_weight_group_rendezvous.py"],
+        "destroy_group": ["tests/dist/test_weight_group_rendezvous.py"],
+        "*": [_HOST_DIST + "test_collectives_on_two_processes",
+              _HOST_DIST + "test_collectives_on_four_processes_use_group_ranks_where_they_must"],
+    },
+}
+SPAWNED["megatron_rl/collectives.py"]["gloo_subgroup"] = SPAWNED["megatron_rl/collectives.py"]["make_host_groups"]
+SPAWNED_TEST_S = 30.0  # a spawned test's time as mutmut's timeout sees it (the 4-rank one: about 10 s)
 
 
 def _setup_cfg(module: str, tests: list[str]) -> str:
@@ -107,6 +127,41 @@ def _results(work: Path) -> dict[str, str]:
     return {name: status for name, status in pairs}
 
 
+def _plain_name(function: str) -> str:
+    """mutmut's mangled name (`pkg.mod.x_fn`, `pkg.mod.xǁClassǁmethod`) -> `fn` / `method`."""
+    return function.rsplit(".", 1)[-1].rsplit("ǁ", 1)[-1].removeprefix("x_")
+
+
+def _run_spawned(work: Path, env: dict, spawned: dict[str, list[str]], statuses: dict[str, str],
+                 max_children: int, timeout_s: float) -> dict[str, str]:
+    """Add each function's spawned tests to mutmut's map for the mutants that had no test or
+    survived, and rerun those mutants."""
+    orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived"))
+    if not orphans:
+        return statuses
+    stats_path = work / "mutants" / "mutmut-stats.json"
+    stats = json.loads(stats_path.read_text())
+    node_ids: dict[str, list[str]] = {}
+    for name in orphans:
+        function = name.partition("__mutmut_")[0]
+        tests = spawned.get(_plain_name(function), spawned["*"])
+        for test in tests:
+            if test not in node_ids:
+                listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", test], cwd=work,
+                                        env=env, capture_output=True, text=True, check=True).stdout
+                node_ids[test] = [line for line in listed.splitlines() if "::" in line]
+        ids = {node for test in tests for node in node_ids[test]}
+        known = stats["tests_by_mangled_function_name"].get(function, [])
+        stats["tests_by_mangled_function_name"][function] = sorted(set(known) | ids)
+        for node in ids:
+            stats["duration_by_test"].setdefault(node, SPAWNED_TEST_S)
+    stats_path.write_text(json.dumps(stats, indent=4))
+    with open(work / "mutmut.log", "a") as log:
+        subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *orphans], cwd=work, env=env,
+                       stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    return _results(work)
+
+
 def run_module(module: str, tests: list[str], max_children: int, timeout_s: float) -> dict:
     work = _scratch(module, tests)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work / "mutants"))
@@ -121,6 +176,8 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
         # checked"; the next run, which finds the mutants generated, maps and checks them.
         if any(status != "not checked" for status in statuses.values()):
             break
+    if module in SPAWNED:
+        statuses = _run_spawned(work, env, SPAWNED[module], statuses, max_children, timeout_s)
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
             "returncode": proc.returncode, "mutants": len(statuses),

@@ -81,3 +81,57 @@ def test_host_groups_wait_as_long_as_their_own_timeout():
     assert (r0["mp"], r1["mp"], r0["dp"]) == ([0], [1], [0, 1])
     assert r0["waited_s"] > 4.0  # rank 0 waited for rank 1's 5 s past the default group's 2 s
     assert r0["short"] == "timed out"  # and a group's own timeout still catches a hang
+
+
+def _grid_worker(rank: int, world_size: int) -> dict:
+    """4 ranks, groups [0, 2] and [1, 3]: group ranks differ from global ranks, so a helper that
+    mixes the two (a source, a destination, a member list) answers wrongly here."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl import collectives
+
+    dist.init_process_group("gloo")
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    group = odds if rank % 2 else evens
+    out = {"size": collectives.group_size(group), "ranks": collectives.group_ranks(group),
+           "world_ranks": collectives.group_ranks(None), "member1": collectives.global_rank(group, 1),
+           "member0_default": collectives.global_rank(None, 0)}
+    t = torch.tensor([float(rank), 1.0])
+    collectives.all_reduce(t, group)
+    lo, hi = torch.tensor([float(rank)]), torch.tensor([float(rank)])
+    collectives.all_reduce(lo, group, op="min")
+    collectives.all_reduce(hi, group, op="max")
+    b = torch.full((3,), float(rank))
+    collectives.broadcast(b, group_src=1, group=group)  # group rank 1: global 2 or 3
+    last = collectives.group_ranks(group)[1]
+    obj = collectives.broadcast_object(f"from {rank}" if rank == last else None, last, group)
+    gathered = collectives.gather_objects(rank * 10, last, group)
+    everyone = collectives.all_gather_objects(rank, None)
+    hosts = collectives.make_host_groups([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2],
+                                         timeout_s=60.0)
+    host_sum = torch.tensor([float(rank)])
+    collectives.all_reduce(host_sum, hosts.mp)
+    collectives.barrier(hosts.world)
+    out.update(sum=t.tolist(), min=lo.item(), max=hi.item(), bcast=b.tolist(), obj=obj, gathered=gathered,
+               everyone=everyone, host_mp=collectives.group_ranks(hosts.mp),
+               host_dp=collectives.group_ranks(hosts.dp), host_world=collectives.group_ranks(hosts.world),
+               host_sum=host_sum.item())
+    return out
+
+
+def test_collectives_on_four_processes_use_group_ranks_where_they_must():
+    results = run_distributed(_grid_worker, world_size=4, timeout_s=150)
+    for rank, r in enumerate(results):
+        mine = [rank % 2, rank % 2 + 2]
+        assert r["size"] == 2 and r["ranks"] == mine and r["world_ranks"] == [0, 1, 2, 3]
+        assert r["member1"] == mine[1] and r["member0_default"] == 0
+        assert r["sum"] == [float(sum(mine)), 2.0]
+        assert (r["min"], r["max"]) == (float(mine[0]), float(mine[1]))
+        assert r["bcast"] == [float(mine[1])] * 3
+        assert r["obj"] == f"from {mine[1]}"
+        assert r["gathered"] == ([10 * mine[0], 10 * mine[1]] if rank == mine[1] else None)
+        assert r["everyone"] == [0, 1, 2, 3]
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert r["host_mp"] == pair and r["host_dp"] == mine and r["host_world"] == [0, 1, 2, 3]
+        assert r["host_sum"] == float(sum(pair))

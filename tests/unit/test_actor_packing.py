@@ -103,7 +103,12 @@ def test_thd_params_by_hand():
     params = thd_params(torch.tensor([[4, 3, 0]]), width=8)
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 4, 7, 8]
     assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == 4
+    assert params.max_seqlen_kv == 4 and params.cu_seqlens_kv.tolist() == [0, 4, 7, 8]
     assert thd_params(torch.tensor([[5, 3]]), width=8).cu_seqlens_kv.tolist() == [0, 5, 8]
+    ones = thd_params(torch.tensor([[1, 1, 0]]), width=4)  # one-token sequences are sequences too
+    assert ones.cu_seqlens_q.tolist() == [0, 1, 2, 4] and ones.max_seqlen_q == 2
+    with pytest.raises(AssertionError, match="^THD packing takes one packed row per micro-batch$"):
+        thd_params(torch.tensor([[4], [3]]), width=8)
 
 
 def test_token_budget_config_errors_name_the_key():
@@ -116,3 +121,48 @@ def test_token_budget_config_errors_name_the_key():
         load_config(None, ["train.logprob_chunk_size=-1"])
     assert load_config(None, ["train.max_tokens_per_micro_batch=56", "data.max_prompt_len=40",
                               "rollout.max_new_tokens=16"]).train.max_tokens_per_micro_batch == 56
+
+
+def test_three_sequences_in_a_row_and_per_token_vectors_by_hand():
+    """A row of three sequences (the third starts after both others), a [B, S, 2] per-token tensor
+    packed and unpacked with its trailing dimension, and a [B] tensor left out."""
+    tokens = torch.tensor([[1, 2, 0, 0], [3, 4, 5, 0], [6, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float32)
+    pair = torch.stack((tokens * 10, -tokens), dim=-1).float()  # [3, 4, 2]
+    batch = {"tokens": tokens, "loss_mask": mask, "pair": pair, "lengths": torch.tensor([2, 3, 1])}
+    packed, index = pack_batch(batch, budget=8, multiple=4)
+    # first-fit decreasing: 3 (row 1), 2 (row 0), 1 (row 2), all in one row of 6 -> width 8
+    assert packed["tokens"].tolist() == [[3, 4, 5, 1, 2, 6, 0, 0]]
+    assert packed["seq_lens"].tolist() == [[3, 2, 1]]
+    assert (index.row.tolist(), index.offset.tolist(), index.length.tolist()) == ([0, 0, 0], [3, 0, 5], [2, 3, 1])
+    assert packed["pair"].shape == (1, 8, 2)
+    assert packed["pair"][0, :, 0].tolist() == [30, 40, 50, 10, 20, 60, 0, 0]
+    assert packed["pair"][0, :, 1].tolist() == [-3, -4, -5, -1, -2, -6, 0, 0]
+    back = unpack(packed["pair"], index)
+    assert back.shape == (3, 4, 2)
+    torch.testing.assert_close(back, pair * (torch.arange(4) < torch.tensor([[2], [3], [1]]))[..., None])
+    assert "lengths" not in packed
+
+
+def test_a_batch_of_zero_width_has_no_sequence():
+    lengths = sequence_lengths(torch.zeros(3, 0))
+    assert lengths.tolist() == [0, 0, 0] and lengths.dtype == torch.int64
+
+
+def test_plan_packs_boundaries():
+    assert plan_packs([6], 6) == [[0]]  # exactly the budget fits
+    assert plan_packs([1, 0, 1], 4) == [[0, 2]]  # one-token sequences are packed, empty ones not
+
+
+def test_as_sequences_cuts_each_sequence_at_its_length():
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 0.0]])
+    rows = as_sequences(values, torch.tensor([[2, 3]]))
+    assert rows.tolist() == [[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]]  # not the next sequence's first token
+    assert as_sequences(values, torch.tensor([[1, 1]])).tolist() == [[1.0], [2.0]]
+    vectors = torch.stack((values, -values), dim=-1)  # [1, W, 2]
+    assert as_sequences(vectors, torch.tensor([[2, 1]])).tolist() == [[[1.0, -1.0], [2.0, -2.0]],
+                                                                      [[3.0, -3.0], [0.0, 0.0]]]
+    for bad_values, bad_lens in ((torch.zeros(2, 6), torch.tensor([[2, 3]])),
+                                 (torch.zeros(1, 6), torch.tensor([[2], [3]]))):
+        with pytest.raises(AssertionError, match="^one packed row per micro-batch$"):
+            as_sequences(bad_values, bad_lens)
