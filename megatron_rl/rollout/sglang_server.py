@@ -62,6 +62,12 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines of its log ("" without one), for an error that says why it exited."""
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
     def stop(self, timeout_s: float = 30.0) -> None:
         if not self.alive():
             return
@@ -138,7 +144,10 @@ def wait_healthy(servers: list[Server], timeout_s: float, poll_s: float = 0.5) -
     for server in servers:
         while not server.client.healthy("/health", timeout_s=5.0):
             if server.process is not None and not server.process.alive():
-                raise RuntimeError(f"SGLang server {server.url} exited during startup (see its log)")
+                tail = server.process.log_tail()
+                where = f"; the end of {server.process.log_path}:\n{tail}" if tail else " (no log kept)"
+                raise RuntimeError(f"SGLang server {server.url} exited during startup "
+                                   f"(exit code {server.process.proc.returncode}){where}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"SGLang server {server.url} not healthy after {timeout_s:.0f} s")
             time.sleep(poll_s)

@@ -29,7 +29,9 @@ def _worker(rank: int, world_size: int, port: int):
     if rank == 0:
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as inside a torchrun worker
         group = collectives.rendezvous_group_as_rank0("127.0.0.1", port, 2, GROUP, "gloo", timeout)
-        return collectives.broadcast(torch.arange(6, dtype=torch.float32), group_src=0, group=group)
+        sent = collectives.broadcast(torch.arange(6, dtype=torch.float32), group_src=0, group=group)
+        collectives.destroy_group(group)  # the weight group alone: there is no default group here
+        return sent
     # the server side, as sglang/srt/utils init_custom_process_group builds it
     store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
     group, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore(GROUP, store),

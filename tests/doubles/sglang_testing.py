@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,15 +25,33 @@ needs_sglang_source = pytest.mark.skipif(
     reason="sglang not installed (make setup installs it with --no-deps)")
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux: 32768 by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+    """A base port with n consecutive free ports on 127.0.0.1, for servers a test starts later.
+
+    Drawn below the kernel's ephemeral range: a port found free there can be taken by any outgoing
+    connection (an HTTP client, a gloo peer) before the server binds it, and the server then exits
+    at start-up. A port this process handed out before is never handed out again.
+    """
+    floor = _ephemeral_floor()
+    rng = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, max(floor, 20000 + 2 * n) - n)
+        block = range(base, base + n)
+        if not _HANDED_OUT.intersection(block) and all(_free(p) for p in block):
+            _HANDED_OUT.update(block)
             return base
-    raise RuntimeError("no free port block")
+    raise RuntimeError(f"no block of {n} free ports below {floor} on 127.0.0.1")
 
 
 def _free(port: int) -> bool:

@@ -23,3 +23,22 @@ def test_a_server_found_dead_after_shutdown_is_not_restarted(qwen2_dir):
         assert not server.process.alive() and engine.stats["restarts"] == 0
     finally:
         engine.shutdown()
+
+
+def test_a_server_that_exits_at_startup_is_named_with_the_end_of_its_log(tmp_path):
+    import sys
+
+    from megatron_rl.rollout.sglang_client import SGLangClient
+    from megatron_rl.rollout.sglang_server import ManagedProcess, Server, wait_healthy
+
+    log = tmp_path / "server.log"
+    crash = "import sys; print('\\n'.join(f'line {i}' for i in range(30))); print('OSError: [Errno 98] address in use'); sys.exit(3)"
+    proc = ManagedProcess([sys.executable, "-c", crash], {}, log)
+    proc.start()
+    server = Server(SGLangClient("http://127.0.0.1:9", "k", 5.0), 1, proc)
+    with pytest.raises(RuntimeError) as err:
+        wait_healthy([server], timeout_s=60.0, poll_s=0.05)
+    message = str(err.value)
+    assert "http://127.0.0.1:9 exited during startup (exit code 3)" in message and str(log) in message
+    assert message.endswith("OSError: [Errno 98] address in use")  # the last 20 lines, in order
+    assert "line 11" in message and "line 10\n" not in message
