@@ -222,14 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         raise SystemExit(f"not in tools/mutate.py MODULES: {unknown}")
-    rows = [run_module(m, MODULES[m], args.max_children, args.timeout_s) for m in args.modules or MODULES]
-    WORK.mkdir(exist_ok=True)
-    summary = WORK / "summary.json"
-    previous = {r["module"]: r for r in json.loads(summary.read_text())} if summary.exists() else {}
-    previous.update({r["module"]: r for r in rows})
-    summary.write_text(json.dumps(list(previous.values()), indent=1))
+    rows = []
+    for module in args.modules or MODULES:
+        rows.append(run_module(module, MODULES[module], args.max_children, args.timeout_s))
+        _record(rows[-1])  # each module as it finishes: a long pass that is stopped keeps what it measured
+        _print(rows[-1:])
+    print()
     _print(rows)
     return 0
+
+
+def _record(row: dict) -> None:
+    WORK.mkdir(exist_ok=True)
+    summary = WORK / "summary.json"
+    rows = {r["module"]: r for r in json.loads(summary.read_text())} if summary.exists() else {}
+    rows[row["module"]] = row
+    summary.write_text(json.dumps(list(rows.values()), indent=1))
 
 
 if __name__ == "__main__":

@@ -195,3 +195,37 @@ def test_bad_use_is_refused_by_name(tmp_path):
     transport = DiskTransport(_Recorder(from_disk=True), tmp_path / "new" / "root")
     transport.begin(1)  # creates its root
     assert (tmp_path / "new" / "root" / ".v000001.tmp").is_dir()
+
+
+def test_a_send_after_finish_needs_a_new_begin(tmp_path):
+    transport = DiskTransport(_Recorder(from_disk=True), tmp_path)
+    _publish(transport, 1, [[("a", torch.ones(1))]])
+    with pytest.raises(RuntimeError, match=r"before begin"):
+        transport.send([("late", torch.ones(1))], 1)  # never written beside the published folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001"]
+
+
+def test_an_old_version_that_cannot_be_removed_never_fails_a_sync(tmp_path, monkeypatch):
+    """On a shared filesystem a server may still hold an old version's files (NFS then refuses the
+    unlink): the new version is loaded all the same, and the old one goes at a later prune."""
+    import errno
+    import os
+
+    engine = _Recorder(from_disk=True)
+    transport = DiskTransport(engine, tmp_path, keep=1)
+    _publish(transport, 1, [[("a", torch.ones(1))]])
+    unlink = os.unlink
+
+    def busy(path, *args, dir_fd=None, **kwargs):
+        where = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path) if dir_fd is not None else str(path)
+        if f"{os.sep}v000001{os.sep}" in where:
+            raise OSError(errno.EBUSY, "Device or resource busy", where)
+        return unlink(path, *args, dir_fd=dir_fd, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", busy)
+    _publish(transport, 2, [[("a", torch.full((1,), 2.0))]])
+    assert engine.calls[-1] == ("disk", tmp_path / "v000002", 2)
+    assert (tmp_path / "v000001").is_dir()  # left for later
+    monkeypatch.setattr(os, "unlink", unlink)
+    _publish(transport, 3, [[("a", torch.full((1,), 3.0))]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v000003"]
