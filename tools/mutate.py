@@ -2,6 +2,7 @@
 
     python tools/mutate.py                          # every module of MODULES (about two hours on 2 cores)
     python tools/mutate.py megatron_rl/collectives.py megatron_rl/data/loader.py
+    python tools/mutate.py --sample 60 megatron_rl/loop/phases.py   # 60 of its mutants, drawn (seeded)
     python tools/mutate.py --list                   # the module -> tests map
     make mutate                                     # the same as the first line (not run in CI)
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -46,7 +48,7 @@ MODULES: dict[str, list[str]] = {
                                        "test_an_async_save_is_published_only_when_its_write_has_finished"],
     "megatron_rl/loop/batch.py": ["tests/unit/test_rl_batch.py"],
     "megatron_rl/loop/refill.py": ["tests/unit/test_refill_plan.py"],
-    "megatron_rl/loop/colocated.py": ["tests/e2e/test_colocated.py"],
+    "megatron_rl/loop/colocated.py": ["tests/unit/test_colocated_memory.py", "tests/e2e/test_colocated.py"],
     "megatron_rl/loop/phases.py": ["tests/unit/test_phases_calib.py", "tests/unit/test_phases_losses.py",
                                    "tests/e2e/test_rl_orchestration.py"],
     # The outlier test (35 s, a resumed 4-step run) would be mapped to nearly every function of
@@ -173,15 +175,34 @@ def _run_spawned(work: Path, env: dict, spawned: dict[str, list[str]], statuses:
     return _results(work)
 
 
-def run_module(module: str, tests: list[str], max_children: int, timeout_s: float) -> dict:
+def _sample(work: Path, env: dict, n: int, seed: int, max_children: int, timeout_s: float) -> list[str]:
+    """Generate the module's mutants and its test map without running any (a run filtered on a
+    name that matches nothing stops right after them), then draw n names, seeded."""
+    for attempt in range(2):
+        with open(work / "mutmut.log", "a" if attempt else "w") as log:
+            subprocess.run([MUTMUT, "run", "--max-children", str(max_children), "no-such-mutant"],
+                           cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        names = sorted(_results(work))
+        if names and (work / "mutants" / "mutmut-stats.json").exists():
+            return sorted(random.Random(seed).sample(names, min(n, len(names))))
+    raise RuntimeError(f"mutmut generated no mutants in {work} (see its mutmut.log)")
+
+
+def run_module(module: str, tests: list[str], max_children: int, timeout_s: float,
+               sample: int | None = None, seed: int = 0) -> dict:
+    """One module: every mutant, or `sample` of them drawn with `seed` (an estimate of the rate for
+    a module whose tests are end-to-end runs)."""
     work = _scratch(module, tests)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work / "mutants"))
     t0 = time.monotonic()
+    chosen = _sample(work, env, sample, seed, max_children, timeout_s) if sample else []
     for attempt in range(2):
-        with open(work / "mutmut.log", "a" if attempt else "w") as log:
-            proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children)],
+        with open(work / "mutmut.log", "a" if attempt or chosen else "w") as log:
+            proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *chosen],
                                   cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
         statuses = _results(work)
+        if chosen:
+            statuses = {name: statuses[name] for name in chosen}
         # mutmut 3.8's first run in a fresh folder (the one that generates the mutants) can stop at
         # its stats step with "could not find any test case for any mutant" and every mutant "not
         # checked"; the next run, which finds the mutants generated, maps and checks them.
@@ -191,7 +212,7 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
         statuses = _run_spawned(work, env, SPAWNED[module], statuses, max_children, timeout_s)
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
-            "returncode": proc.returncode, "mutants": len(statuses),
+            "returncode": proc.returncode, "mutants": len(statuses), "sampled_from": len(_results(work)) if chosen else None,
             "killed": counts["killed"], "survived": counts["survived"], "timeout": counts["timeout"],
             "other": {k: v for k, v in counts.items() if k not in ("killed", "survived", "timeout")},
             "survivors": sorted(n for n, s in statuses.items() if s == "survived")}
@@ -214,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
     parser.add_argument("--max-children", type=int, default=2, help="parallel mutant runs (default 2)")
     parser.add_argument("--timeout-s", type=float, default=3600, help="wall-clock limit per module")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="run this many mutants per module, drawn at random (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the draw's seed (with --sample)")
     args = parser.parse_args(argv)
     if args.list:
         for module, tests in MODULES.items():
@@ -224,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"not in tools/mutate.py MODULES: {unknown}")
     rows = []
     for module in args.modules or MODULES:
-        rows.append(run_module(module, MODULES[module], args.max_children, args.timeout_s))
+        rows.append(run_module(module, MODULES[module], args.max_children, args.timeout_s, args.sample, args.seed))
         _record(rows[-1])  # each module as it finishes: a long pass that is stopped keeps what it measured
         _print(rows[-1:])
     print()
