@@ -165,3 +165,13 @@ def test_a_save_on_a_client_rank_without_the_barrier_after_sync(log):
         log.calls.append(("save",))
     assert log.calls == [("barrier", GROUP), ("actor", "reload"), ("save",),
                          ("actor", "offload", ("grads", "optimizer", "params")), ("barrier", GROUP)]
+
+
+def test_inside_a_step_the_trainer_is_on_the_device_and_a_save_moves_nothing(log):
+    memory = _memory(log)
+    _step(memory)
+    memory.begin_training()  # engine out, trainer back in
+    log.calls.clear()
+    with memory.trainer_on_device():
+        log.calls.append(("save",))
+    assert log.calls == [("save",)]
