@@ -36,8 +36,8 @@ def plan(cfg: RunConfig, spec: ModelSpec, cluster: Cluster, cuda: bool = True) -
     trainer = trainer_memory(cfg, spec, trainer_dp(cfg, cluster), cuda)
     colocated = is_colocated(cfg)
     # Colocated servers start after the trainer is built (loop/build.py): its state is resident then.
-    built = ("weights", "grads", "optimizer", "cuda_context")
-    resident = sum(trainer[k] for k in built) if colocated and cfg.rollout.engine == "sglang" else 0.0
+    trainer_state = sum(trainer[k] for k in ("weights", "grads", "optimizer", "cuda_context"))
+    resident = trainer_state if colocated and cfg.rollout.engine == "sglang" else 0.0
     rollout = rollout_memory(cfg, spec, cluster.gpu_mem_gb, resident)
     t_total, r_total = sum(trainer.values()), sum(rollout.values())
     if colocated:
@@ -47,16 +47,20 @@ def plan(cfg: RunConfig, spec: ModelSpec, cluster: Cluster, cuda: bool = True) -
         # TE's FP8 weight caches (module attributes, not parameters: offload does not move them).
         # A checkpoint save between steps (loop/colocated.py trainer_on_device): the engine keeps
         # its weights, graphs and context, the trainer is back without activations.
-        saving = resident + rollout["weights"] + rollout["cuda_graphs"] + rollout["cuda_context"]
-        peak = max(t_total + rollout["cuda_graphs"] + rollout["cuda_context"],
-                   r_total + trainer["cuda_context"] + trainer["fp8_weight_cache"], saving)
-    else:
-        peak = max(t_total, r_total)
+        phases = {"training": t_total + rollout["cuda_graphs"] + rollout["cuda_context"],
+                  "generating": r_total + trainer["cuda_context"] + trainer["fp8_weight_cache"],
+                  # whatever the engine: the trainer's state is back beside the engine's weights
+                  "saving": trainer_state + rollout["weights"] + rollout["cuda_graphs"] + rollout["cuda_context"]}
+    else:  # each side on its own GPUs
+        phases = {"training": t_total, "generating": r_total}
+    peak_phase = max(phases, key=phases.__getitem__)
+    peak = phases[peak_phase]
     longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     tokens = kv_tokens(cfg, spec, rollout["kv_cache"])
     return {"trainer": _gb({**trainer, "total": t_total}), "rollout": _gb({**rollout, "total": r_total}),
-            "colocated": colocated, "peak_gb_per_gpu": round(peak / GB, 2),
-            "gpu_mem_gb": cluster.gpu_mem_gb, "kv_cache_tokens": tokens,
+            "colocated": colocated, "phases": _gb(phases), "peak_phase": peak_phase,
+            "peak_gb_per_gpu": round(peak / GB, 2), "gpu_mem_gb": cluster.gpu_mem_gb,
+            "kv_cache_tokens": tokens, "sequence_tokens": longest,
             "fits": peak <= cluster.gpu_mem_gb * GB and tokens >= longest}
 
 
@@ -70,9 +74,12 @@ def format_table(result: dict) -> str:
         for part, value in result[side].items():
             lines.append(f"{side + '.' + part:<26}{value:>8.2f}")
     where = "colocated (one GPU, release/offload protocol)" if result["colocated"] else "disaggregated"
-    lines += [f"layout: {where}; KV cache holds {result['kv_cache_tokens']} tokens",
-              f"peak {result['peak_gb_per_gpu']:.2f} GB of {result['gpu_mem_gb']:.0f} GB per GPU: "
-              + ("fits" if result["fits"] else "DOES NOT FIT")]
+    phases = ", ".join(f"{name} {value:.2f}" for name, value in result["phases"].items())
+    lines += [f"layout: {where}; GB/GPU by phase: {phases}",
+              f"KV cache holds {result['kv_cache_tokens']} tokens; the longest sequence needs "
+              f"{result['sequence_tokens']}",
+              f"peak {result['peak_gb_per_gpu']:.2f} GB of {result['gpu_mem_gb']:.0f} GB per GPU "
+              f"({result['peak_phase']}): " + ("fits" if result["fits"] else "DOES NOT FIT")]
     return "\n".join(lines)
 
 
