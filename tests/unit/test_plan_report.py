@@ -168,3 +168,16 @@ def test_the_command_plans_the_cluster_it_is_given(capsys):
     assert main(_args(json=False, gpu_mem_gb=20.0)) == 1
     out = capsys.readouterr().out
     assert out.startswith("part") and out.rstrip().endswith("DOES NOT FIT") and "of 20 GB per GPU" in out
+
+
+def test_a_plan_that_exactly_fills_the_gpu_fits():
+    """Disaggregated, so the trainer GPUs' peak is the trainer's total: a GPU of exactly that many
+    bytes fits (GB is a power of two: the division is exact), one byte less does not."""
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    cfg = _cfg(*DISAGG)
+    cluster = Cluster(nodes=4)
+    total = sum(trainer_memory(cfg, spec, trainer_dp(cfg, cluster)).values())
+    exact = Cluster(nodes=4, gpu_mem_gb=total / GB)
+    first = plan(cfg, spec, exact)
+    assert first["peak_phase"] == "training" and first["fits"]
+    assert not plan(cfg, spec, Cluster(nodes=4, gpu_mem_gb=(total - 1) / GB))["fits"]
