@@ -174,7 +174,8 @@ def rollout_memory(cfg: RunConfig, spec: ModelSpec, gpu_mem_gb: float,
     fp8 = cfg.precision.rollout_quant != "bf16" or sg.quantization == "fp8"
     block = cfg.precision.weight_block_size
     linear_bytes = (1 + 4 / (block[0] * block[1])) if fp8 else 2  # FP8 + FP32 scale per block
-    weights = (spec.num_layers * (linear * linear_bytes + other * 2) + embedding * 2) / tp
+    final_norm = spec.hidden_size
+    weights = (spec.num_layers * (linear * linear_bytes + other * 2) + (embedding + final_norm) * 2) / tp
     if cfg.rollout.engine == "torch":
         samples = cfg.data.prompts_per_step * cfg.rollout.n_samples_per_prompt
         longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens

@@ -1,0 +1,149 @@
+"""The planner's rollout side and token counts against what they count: the bytes of the payload the
+engine receives, a real HF KV cache's bytes per token, and SGLang 0.5.23's activation / CUDA-graph
+reserve (srt/runtime_context.py:1797-1819, pre_capture_activation_reserve_mb: 512 MB + 1.5 MB per
+chunked-prefill token, at least 2048 of them, + TP x PP / 8 GB; at least 10 GB on a GPU over
+60 GB), by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.cluster.memory import (CUDA_CONTEXT_GB, GB, SGLANG_CHUNKED_PREFILL, kv_cell_bytes, kv_tokens,
+                                        rollout_memory, sglang_kv_bytes, tokens_per_micro_batch)
+from megatron_rl.config import load_config
+from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
+from megatron_rl.models.hf_config import ModelSpec
+
+MB = 1024**2
+SGLANG = ["rollout.engine=sglang"]
+
+
+def _cfg(*overrides):
+    return load_config(None, list(overrides))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("quant", ["fp8_blockwise", "bf16"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_server_weights_are_the_bytes_of_the_payload_it_receives(tiny_hf_factory, tie, quant, tp):
+    """FP8 linears (1 byte + one FP32 scale per 32 x 32 block), everything else in BF16; a TP rank
+    holds 1 / TP of it. A tied model ships one embedding matrix."""
+    from safetensors.torch import load_file
+
+    folder = tiny_hf_factory("qwen2", tie_word_embeddings=tie)
+    weights = load_file(str(folder / "model.safetensors"))
+    payload = quantize_for_rollout(sorted(weights.items()),
+                                   RolloutQuantSpec(quant, (32, 32), unquantized_dtype="bfloat16"))
+    sent = sum(t.numel() * t.element_size() for _, t in payload)
+    cfg = _cfg(*SGLANG, f"precision.rollout_quant={quant}", "precision.weight_block_size=[32,32]",
+               f"rollout.sglang.tp_size={tp}")
+    assert rollout_memory(cfg, ModelSpec.from_hf_config(folder), 80.0)["weights"] == pytest.approx(sent / tp, rel=1e-12)
+
+
+def test_sglangs_own_fp8_quantization_counts_as_fp8(tiny_hf_factory):
+    folder = tiny_hf_factory("qwen2")
+    spec = ModelSpec.from_hf_config(folder)
+    bf16 = rollout_memory(_cfg(*SGLANG), spec, 80.0)["weights"]
+    online = rollout_memory(_cfg(*SGLANG, "rollout.sglang.quantization=fp8"), spec, 80.0)["weights"]
+    offline = rollout_memory(_cfg(*SGLANG, "precision.rollout_quant=fp8_blockwise"), spec, 80.0)["weights"]
+    assert online == offline < bf16
+
+
+def test_kv_bytes_per_token_are_a_real_caches(tiny_hf_factory):
+    """The embedded engine's KV cache of a BF16 model, measured: keys and values of every layer."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_hf_factory("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    tokens = 7
+    with torch.no_grad():
+        cache = model(torch.arange(1, tokens + 1)[None], use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    cfg = _cfg()
+    assert kv_cell_bytes(cfg, ModelSpec.from_hf_config(folder)) == held / tokens
+    # an FP8 KV cache holds one byte per value
+    assert kv_cell_bytes(_cfg("rollout.sglang.kv_cache_dtype=fp8_e4m3"), ModelSpec.from_hf_config(folder)) == held / tokens / 2
+
+
+@pytest.mark.parametrize("engine, tp, kv_heads, per_gpu", [
+    ("sglang", 2, 8, 4),   # each TP rank holds its share of the KV heads
+    ("sglang", 4, 2, 1),   # fewer KV heads than ranks: each rank keeps one (replicated)
+    ("torch", 2, 8, 8),    # the embedded engine is one process: rollout.sglang.tp_size does not apply
+])
+def test_kv_heads_per_gpu_follow_the_servers_tp(tiny_hf_factory, engine, tp, kv_heads, per_gpu):
+    spec = ModelSpec.from_hf_config(tiny_hf_factory("qwen2"))
+    spec = type(spec)(**{**spec.__dict__, "num_query_groups": kv_heads})
+    cfg = _cfg(f"rollout.engine={engine}", f"rollout.sglang.tp_size={tp}")
+    assert kv_cell_bytes(cfg, spec) == per_gpu * 2 * spec.head_dim * spec.num_layers * 2
+
+
+def test_the_embedded_engine_holds_one_steps_samples_and_no_graphs(tiny_hf_factory):
+    spec = ModelSpec.from_hf_config(tiny_hf_factory("qwen2"))
+    cfg = _cfg("rollout.engine=torch", "rollout.sglang.tp_size=2", "data.prompts_per_step=6",
+               "rollout.n_samples_per_prompt=4", "data.max_prompt_len=30", "rollout.max_new_tokens=50")
+    mem = rollout_memory(cfg, spec, 80.0)
+    assert mem["kv_cache"] == 6 * 4 * (30 + 50) * kv_cell_bytes(cfg, spec)
+    assert mem["cuda_graphs"] == 0.0 and mem["cuda_context"] == 0.0
+    assert mem["weights"] == rollout_memory(_cfg(*SGLANG), spec, 80.0)["weights"]  # one process: not / TP
+
+
+@pytest.mark.parametrize("gpu_gb, tp, extra, reserve_mb", [
+    (40.0, 1, [], 512 + SGLANG_CHUNKED_PREFILL * 1.5 + 1 / 8 * 1024),
+    (40.0, 8, ["--chunked-prefill-size", "1024"], 512 + 2048 * 1.5 + 8 / 8 * 1024),  # at least 2048 tokens
+    (40.0, 2, ["--mem-fraction-static", "0.7", "--chunked-prefill-size", "4096"], 512 + 4096 * 1.5 + 2 / 8 * 1024),
+    (60.0, 1, ["--chunked-prefill-size", "2048"], 512 + 2048 * 1.5 + 1 / 8 * 1024),  # 60 GB is not over 60
+    (61.0, 1, ["--chunked-prefill-size", "2048"], 10 * 1024),
+    (80.0, 4, ["--chunked-prefill-size", "16384"], 512 + 16384 * 1.5 + 4 / 8 * 1024),  # over 10 GB anyway
+])
+def test_the_servers_reserve_is_sglangs(tiny_hf_factory, gpu_gb, tp, extra, reserve_mb):
+    spec = ModelSpec.from_hf_config(tiny_hf_factory("qwen2"))
+    extra_args = "[" + ",".join(f'"{a}"' for a in extra) + "]"
+    cfg = _cfg(*SGLANG, f"rollout.sglang.tp_size={tp}", f"rollout.sglang.extra_args={extra_args}")
+    mem = rollout_memory(cfg, spec, gpu_gb)
+    assert mem["cuda_graphs"] == reserve_mb * MB and mem["cuda_context"] == CUDA_CONTEXT_GB * GB
+
+
+def test_the_kv_pool_is_what_is_left_and_never_negative():
+    fraction = 0.8
+    free_at_start = 80 * GB - 30 * GB - CUDA_CONTEXT_GB * GB
+    assert sglang_kv_bytes(80 * GB, 30 * GB, 10 * GB, fraction) == (free_at_start - 10 * GB) - free_at_start * (1 - fraction)
+    assert sglang_kv_bytes(80 * GB, 30 * GB, 45 * GB, fraction) == 0.0  # SGLang refuses to start
+
+
+def test_a_servers_pool_shrinks_by_what_is_resident_when_it_starts(tiny_hf_factory):
+    spec = ModelSpec.from_hf_config(tiny_hf_factory("qwen2"))
+    cfg = _cfg(*SGLANG)
+    alone, beside = rollout_memory(cfg, spec, 80.0), rollout_memory(cfg, spec, 80.0, resident_at_start=8 * GB)
+    fraction = cfg.rollout.sglang.mem_fraction_static
+    assert alone["kv_cache"] - beside["kv_cache"] == pytest.approx(8 * GB * fraction, rel=1e-9)
+
+
+def test_kv_tokens_are_whole_cells():
+    spec_cfg = _cfg()
+
+    class Spec:  # 2 KV heads x (k + v) x 16 channels x 2 layers x 2 bytes = 256 bytes a token
+        num_query_groups, head_dim, num_layers = 2, 16, 2
+
+    assert kv_cell_bytes(spec_cfg, Spec) == 256
+    assert kv_tokens(spec_cfg, Spec, 256 * 10 + 255) == 10 and isinstance(kv_tokens(spec_cfg, Spec, 2560.0), int)
+
+
+@pytest.mark.parametrize("overrides, sequence_parallel, tokens", [
+    (["train.micro_batch_size=3", "data.max_prompt_len=100", "rollout.max_new_tokens=28",
+      "train.max_tokens_per_micro_batch=0"], False, 3 * 128),
+    (["data.max_prompt_len=100", "rollout.max_new_tokens=28", "train.max_tokens_per_micro_batch=1000",
+      "precision.train_recipe=blockwise"], False, 1024),                    # packed: up to a multiple of 128
+    (["data.max_prompt_len=100", "rollout.max_new_tokens=28", "train.max_tokens_per_micro_batch=1000",
+      "precision.train_recipe=blockwise", "parallel.tensor_model_parallel_size=2"], True, 1024),  # 256 x SP
+    (["data.max_prompt_len=100", "rollout.max_new_tokens=28", "train.max_tokens_per_micro_batch=1000",
+      "precision.train_recipe=blockwise", "parallel.tensor_model_parallel_size=4"], True, 1024),  # 512: 1024
+    (["data.max_prompt_len=100", "rollout.max_new_tokens=28", "train.max_tokens_per_micro_batch=1000",
+      "precision.train_recipe=blockwise", "parallel.tensor_model_parallel_size=8"], True, 1024),  # 1024
+    (["data.max_prompt_len=100", "rollout.max_new_tokens=28", "train.max_tokens_per_micro_batch=1030",
+      "precision.train_recipe=mxfp8", "parallel.tensor_model_parallel_size=2"], False, 1056),  # 32, no SP
+    (["data.max_prompt_len=100", "rollout.max_new_tokens=28", "train.max_tokens_per_micro_batch=129",
+      "precision.train_recipe=bf16"], False, 144),                          # 16
+])
+def test_tokens_per_micro_batch(overrides, sequence_parallel, tokens):
+    assert tokens_per_micro_batch(_cfg(*overrides), sequence_parallel) == tokens
