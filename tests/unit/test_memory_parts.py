@@ -6,11 +6,14 @@ chunked-prefill token, at least 2048 of them, + TP x PP / 8 GB; at least 10 GB o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from megatron_rl.cluster.memory import (CUDA_CONTEXT_GB, GB, SGLANG_CHUNKED_PREFILL, kv_cell_bytes, kv_tokens,
-                                        rollout_memory, sglang_kv_bytes, tokens_per_micro_batch)
+                                        rollout_memory, sglang_kv_bytes, tokens_per_micro_batch,
+                                        trainer_memory)
 from megatron_rl.config import load_config
 from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.models.hf_config import ModelSpec
@@ -147,3 +150,56 @@ def test_kv_tokens_are_whole_cells():
 ])
 def test_tokens_per_micro_batch(overrides, sequence_parallel, tokens):
     assert tokens_per_micro_batch(_cfg(*overrides), sequence_parallel) == tokens
+
+
+QWEN3_8B = Path(__file__).parents[1] / "data" / "hf_configs" / "qwen3_8b.json"
+T = 4096  # tokens per micro-batch below: max_tokens_per_micro_batch=4096 (a multiple of 128 x TP)
+PACKED = ["train.max_tokens_per_micro_batch=4096", "data.max_prompt_len=1024", "rollout.max_new_tokens=3072",
+          "precision.train_recipe=blockwise", "parallel.tensor_model_parallel_size=2"]
+
+
+def _activations(*overrides, cuda=True):
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    return trainer_memory(_cfg(*PACKED, *overrides), spec, dp=4, cuda=cuda)["activations"], spec
+
+
+@pytest.mark.parametrize("overrides, per_token_per_h", [
+    # Korthikanti et al. 2022, Table 2 (Megatron-LM theoretical_memory_usage.py), h = 4096,
+    # ffn = 12288, 36 layers, TP 2; flash attention (TE) stores no scores. Per token, in units of h
+    # bytes: each stored layer, then the first stage's token ids (8 bytes) and embedding output.
+    (["parallel.sequence_parallel=false"], 36 * (10 + 24 / 2) + (8 / 4096 + 1) / 2),
+    (["parallel.sequence_parallel=true"], 36 * (18 + 4 * 3) / 2 + (8 / 4096 + 1) / 2),
+    # full recompute: every layer keeps its input (2 bytes, / TP with SP) + one chunk of layers whole
+    (["parallel.sequence_parallel=true", "parallel.recompute_granularity=full", "parallel.recompute_num_layers=1"],
+     36 * 2 / 2 + 1 * (18 + 4 * 3) / 2 + (8 / 4096 + 1) / 2),
+    (["parallel.sequence_parallel=false", "parallel.recompute_granularity=full", "parallel.recompute_num_layers=4"],
+     36 * 2 + 4 * (10 + 24 / 2) + (8 / 4096 + 1) / 2),
+    # PP 2: 18 layers a stage, and the first stage holds 2 micro-batches in flight (1F1B)
+    (["parallel.sequence_parallel=true", "parallel.pipeline_model_parallel_size=2"],
+     2 * (18 * (18 + 4 * 3) / 2 + (8 / 4096 + 1) / 2)),
+])
+def test_activations_follow_megatrons_formula(overrides, per_token_per_h):
+    got, spec = _activations(*overrides)
+    assert got == pytest.approx(T * spec.hidden_size * per_token_per_h, rel=1e-12)
+
+
+def test_the_local_spec_adds_each_layers_attention_scores():
+    from megatron_rl.actor.settings import resolve_settings
+    from megatron_rl.cluster.memory import _attention_score_bytes
+
+    got, spec = _activations("parallel.sequence_parallel=true", "parallel.transformer_impl=local", cuda=False)
+    cfg = _cfg(*PACKED, "parallel.sequence_parallel=true", "parallel.transformer_impl=local")
+    scores = _attention_score_bytes(cfg, spec, resolve_settings(cfg, False), T)
+    assert scores > 0  # its bytes are checked against real tensors in tests/unit/test_plan.py
+    assert got == pytest.approx(36 * (T * spec.hidden_size * (18 + 4 * 3) / 2 + scores)
+                                + T * spec.hidden_size * (8 / 4096 + 1) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("chunk, working_rows", [(1024, 4 * 1024), (8192, 4 * T), (0, 5 * T)])
+def test_the_log_prob_working_set(chunk, working_rows):
+    """BF16 logits and their gradient ([T, V / TP], 2 bytes each), plus the kernel's FP32 working set:
+    4 chunk-row tensors (a chunk longer than the micro-batch is the micro-batch), 5 whole ones unchunked."""
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    cfg = _cfg(*PACKED, f"train.logprob_chunk_size={chunk}")
+    vocab = spec.vocab_size / 2
+    assert trainer_memory(cfg, spec, dp=4)["logprob_chunk"] == 2 * 2 * T * vocab + 4 * working_rows * vocab
