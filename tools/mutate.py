@@ -57,8 +57,9 @@ MODULES: dict[str, list[str]] = {
                                   "tests/e2e/test_rl_loop.py::test_outliers_are_planted_once_and_a_resume_keeps_them"],
     "megatron_rl/cluster/placement.py": ["tests/unit/test_placement.py"],
     "megatron_rl/cluster/launch.py": ["tests/unit/test_launch.py"],
-    "megatron_rl/cluster/plan.py": ["tests/unit/test_plan.py"],
-    "megatron_rl/cluster/memory.py": ["tests/unit/test_plan.py"],
+    "megatron_rl/cluster/plan.py": ["tests/unit/test_plan_report.py", "tests/unit/test_plan.py"],
+    "megatron_rl/cluster/memory.py": ["tests/unit/test_memory_parts.py", "tests/unit/test_plan_report.py",
+                                      "tests/unit/test_plan.py"],
     "megatron_rl/sync/weight_sync.py": ["tests/unit/test_sync_check.py", "tests/unit/test_sync_buckets.py"],
     "megatron_rl/sync/buckets.py": ["tests/unit/test_sync_buckets.py"],
     "megatron_rl/sync/disk_transport.py": ["tests/unit/test_transport_disk.py"],
@@ -189,19 +190,24 @@ def _sample(work: Path, env: dict, n: int, seed: int, max_children: int, timeout
 
 
 def run_module(module: str, tests: list[str], max_children: int, timeout_s: float,
-               sample: int | None = None, seed: int = 0) -> dict:
+               sample: int | None = None, seed: int = 0, rerun: bool = False) -> dict:
     """One module: every mutant, or `sample` of them drawn with `seed` (an estimate of the rate for
-    a module whose tests are end-to-end runs)."""
+    a module whose tests are end-to-end runs), or (`rerun`) the last run's survivors again."""
     work = _scratch(module, tests)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work / "mutants"))
     t0 = time.monotonic()
-    chosen = _sample(work, env, sample, seed, max_children, timeout_s) if sample else []
+    if rerun:  # after triage: the survivors (and mutants with no test) of the last run, against today's tests
+        chosen = sorted(n for n, st in _results(work).items() if st in ("survived", "no tests", "not checked"))
+        if not chosen:
+            raise SystemExit(f"{module}: nothing to rerun in {work}")
+    else:
+        chosen = _sample(work, env, sample, seed, max_children, timeout_s) if sample else []
     for attempt in range(2):
         with open(work / "mutmut.log", "a" if attempt or chosen else "w") as log:
             proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *chosen],
                                   cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
         statuses = _results(work)
-        if chosen:
+        if chosen and not rerun:
             statuses = {name: statuses[name] for name in chosen}
         # mutmut 3.8's first run in a fresh folder (the one that generates the mutants) can stop at
         # its stats step with "could not find any test case for any mutant" and every mutant "not
@@ -238,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=None,
                         help="run this many mutants per module, drawn at random (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="the draw's seed (with --sample)")
+    parser.add_argument("--rerun-survivors", action="store_true",
+                        help="rerun each module's survivors of its last run against the current tests (after triage)")
     args = parser.parse_args(argv)
     if args.list:
         for module, tests in MODULES.items():
@@ -248,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"not in tools/mutate.py MODULES: {unknown}")
     rows = []
     for module in args.modules or MODULES:
-        rows.append(run_module(module, MODULES[module], args.max_children, args.timeout_s, args.sample, args.seed))
+        rows.append(run_module(module, MODULES[module], args.max_children, args.timeout_s, args.sample, args.seed,
+                                   args.rerun_survivors))
         _record(rows[-1])  # each module as it finishes: a long pass that is stopped keeps what it measured
         _print(rows[-1:])
     print()
