@@ -203,3 +203,72 @@ def test_the_log_prob_working_set(chunk, working_rows):
     cfg = _cfg(*PACKED, f"train.logprob_chunk_size={chunk}")
     vocab = spec.vocab_size / 2
     assert trainer_memory(cfg, spec, dp=4)["logprob_chunk"] == 2 * 2 * T * vocab + 4 * working_rows * vocab
+
+
+# Qwen3-8B per layer, by hand: q and o 4096 x 4096, k and v 4096 x (8 KV heads x 128), gate / up /
+# down 4096 x 12288; published total 8,190,735,360 parameters, vocabulary 151,936, untied.
+LINEAR_8B = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288
+TOTAL_8B, EMBED_8B = 8_190_735_360, 151_936 * 4096
+
+
+def test_a_stages_parameters_by_pipeline_stage_and_tying():
+    from megatron_rl.cluster.memory import stage_params
+
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    per_layer = (TOTAL_8B - 2 * EMBED_8B - 4096) / 36  # every layer's weights, norms included
+    assert stage_params(spec, 1, 1) == (TOTAL_8B, 36 * LINEAR_8B)
+    # PP 2: 18 layers and one embedding matrix (the input's, or the output layer's), no final norm here
+    assert stage_params(spec, 2, 2) == ((18 * per_layer + EMBED_8B) / 2, 18 * LINEAR_8B / 2)
+    tied = type(spec)(**{**spec.__dict__, "tie_word_embeddings": True})
+    assert stage_params(tied, 1, 1)[0] == TOTAL_8B - EMBED_8B
+    assert stage_params(tied, 1, 2)[0] == 18 * per_layer + EMBED_8B
+
+
+@pytest.mark.parametrize("overrides, cuda, cache", [
+    (["precision.train_recipe=blockwise"], True, 2 * 36 * LINEAR_8B / 2),  # TE keeps row- and column-wise FP8 copies
+    (["precision.train_recipe=bf16"], True, 0.0),
+    (["precision.train_recipe=blockwise", "parallel.transformer_impl=local"], False, 0.0),  # emulated: no TE copies
+])
+def test_fp8_weight_caches_and_the_context(overrides, cuda, cache):
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    mem = trainer_memory(_cfg("parallel.tensor_model_parallel_size=2", *overrides), spec, dp=4, cuda=cuda)
+    assert mem["fp8_weight_cache"] == cache
+    assert mem["cuda_context"] == (CUDA_CONTEXT_GB * GB if cuda else 0.0)
+
+
+@pytest.mark.parametrize("kl, reference", [(0.0, 0.0), (0.01, 2 * TOTAL_8B / 2)])
+def test_a_reference_policy_costs_the_actors_weights(kl, reference):
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    cfg = _cfg("parallel.tensor_model_parallel_size=2", f"algo.kl_loss_coef={kl}")
+    assert trainer_memory(cfg, spec, dp=4)["reference"] == reference  # BF16, sharded like the actor
+
+
+@pytest.mark.parametrize("overrides, rows, seq, heads", [
+    (["train.max_tokens_per_micro_batch=0", "train.micro_batch_size=2"], 2, 1024, 32),  # padded rows of 1024
+    (["train.max_tokens_per_micro_batch=2048", "train.micro_batch_size=2"], 1, 2048, 32),  # one packed row
+    (["train.max_tokens_per_micro_batch=0", "train.micro_batch_size=2", "parallel.tensor_model_parallel_size=2",
+      "parallel.sequence_parallel=false"], 2, 1024, 16),
+    (["train.max_tokens_per_micro_batch=0", "train.micro_batch_size=2", "parallel.recompute_granularity=selective"],
+     0, 1024, 32),  # the core attention is recomputed: nothing stored
+])
+def test_the_local_specs_scores_by_layout(overrides, rows, seq, heads):
+    from megatron_rl.actor.settings import resolve_settings
+    from megatron_rl.cluster.memory import _attention_score_bytes
+
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    common = ["data.max_prompt_len=256", "rollout.max_new_tokens=768", "precision.train_recipe=bf16",
+              "precision.params_dtype=bf16", *overrides]
+    cfg = _cfg(*common, "parallel.transformer_impl=local")
+    tokens = tokens_per_micro_batch(cfg, resolve_settings(cfg, False).sequence_parallel)
+    assert _attention_score_bytes(cfg, spec, resolve_settings(cfg, False), tokens) == 6 * rows * heads * seq * seq
+    te = _cfg(*common, "parallel.transformer_impl=transformer_engine")
+    assert _attention_score_bytes(te, spec, resolve_settings(te, True), tokens) == 0.0  # flash attention
+
+
+def test_sequence_parallel_pads_the_packed_micro_batch_to_tp_blocks():
+    spec = ModelSpec.from_hf_config(QWEN3_8B)
+    cfg = _cfg(*PACKED, "train.max_tokens_per_micro_batch=1152", "parallel.sequence_parallel=true",
+               "data.max_prompt_len=128", "rollout.max_new_tokens=1024")
+    tokens = 1280  # 1152 rounded up to 128 x TP 2
+    vocab = spec.vocab_size / 2
+    assert trainer_memory(cfg, spec, dp=4)["logprob_chunk"] == 2 * 2 * tokens * vocab + 4 * 4 * 1280 * vocab
