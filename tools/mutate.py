@@ -56,7 +56,7 @@ MODULES: dict[str, list[str]] = {
     "megatron_rl/loop/build.py": ["tests/e2e/test_rl_loop.py", "--deselect",
                                   "tests/e2e/test_rl_loop.py::test_outliers_are_planted_once_and_a_resume_keeps_them"],
     "megatron_rl/cluster/placement.py": ["tests/unit/test_placement.py"],
-    "megatron_rl/cluster/launch.py": ["tests/unit/test_launch.py"],
+    "megatron_rl/cluster/launch.py": ["tests/unit/test_launch_entry.py", "tests/unit/test_launch.py"],
     "megatron_rl/cluster/plan.py": ["tests/unit/test_plan_report.py", "tests/unit/test_plan.py"],
     "megatron_rl/cluster/memory.py": ["tests/unit/test_memory_parts.py", "tests/unit/test_plan_report.py",
                                       "tests/unit/test_plan.py"],
