@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class _Recorder(BaseHTTPRequestHandler):
-    """Answers by path: /slow sleeps 2 s, /text is plain text, /empty has no body, /fail is a 503
-    with a long body; anything else echoes what it received as JSON."""
+    """Answers by path: /slow sleeps 2 s, /text is plain text, /empty has no body, /latin1 is not
+    UTF-8, /fail is a 503 with a long body; anything else echoes what it received as JSON."""
 
     seen: list[dict] = []
 
@@ -35,6 +35,8 @@ class _Recorder(BaseHTTPRequestHandler):
             payload = b"Cache flushed.\nPlease check backend logs for more details."
         elif self.path == "/empty":
             payload = b""
+        elif self.path == "/latin1":
+            payload = "d\u00e9j\u00e0 vu".encode("latin-1")  # not UTF-8
         elif self.path == "/fail":
             status, payload = 503, ("E" * 600).encode()
         self.send_response(status)
@@ -73,6 +75,7 @@ def test_a_get_has_no_body_and_plain_text_or_nothing_comes_back_as_such(server):
                                          "type": None, "body": None}
     assert client.get("/text") == "Cache flushed.\nPlease check backend logs for more details."
     assert client.post("/empty") is None
+    assert client.get("/latin1") == "d\ufffdj\ufffd vu"  # undecodable bytes replaced, never an exception
     assert client.healthy("/health") is True
 
 
