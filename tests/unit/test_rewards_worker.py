@@ -192,3 +192,100 @@ def test_a_batched_timeout_scores_every_item_zero_and_restarts_the_worker():
         rewards, stats = runner.score(["a", "b", "c"], ["a", "b", "c"])
         assert rewards == [0.0, 0.0, 0.0] and stats == {"num_errors": 0, "num_timeouts": 3}
         assert runner.num_restarts == 1 and runner._proc is None
+
+
+def test_non_numbers_in_a_reward_dict_are_not_components():
+    assert normalize({"score": 1, "note": None, "tags": ["a"], "detail": {"x": 1}, "n": 2}) == (1.0, {"n": 2.0}, None)
+
+
+def test_a_callable_without_a_name_is_named_by_its_repr():
+    import functools
+
+    fn = functools.partial(scored, bonus=1.0)
+    assert RewardRunner(fn).name == repr(fn)
+
+
+def test_a_function_taking_any_keyword_gets_every_extra_column():
+    def everything(response, answer, **extra):
+        return float(sum(extra.values()))
+
+    with RewardRunner(everything, timeout_s=5.0) as runner:
+        assert runner.score(["a"], ["a"], extras=[{"x": 1.0, "y": 2.0}])[0] == [3.0]
+        with pytest.raises(ValueError, match=r"^2 responses but 1 answers$"):
+            runner.score(["a", "b"], ["a"])
+
+
+def _batched(responses, answers):
+    """One item per kind of answer: a number, something that is no reward, a dict with a pred."""
+    return [1.0, "not a reward", {"score": 2.0, "pred": "x"}][: len(responses)]
+
+
+def test_a_batched_item_that_is_no_reward_scores_zero_alone(caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rewards.runner"):
+        with RewardRunner(_batched, timeout_s=5.0, batched=True) as runner:
+            rewards, stats = runner.score(["a", "b", "c"], ["a", "b", "c"])
+    assert rewards == [1.0, 0.0, 2.0]
+    assert stats == {"num_errors": 1, "num_timeouts": 0, "preds": [None, None, "x"]}
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward fn _batched on item 1 scored 0.0: ValueError: could not convert string to float: 'not a reward'"]
+
+
+def _exit_on_die(responses, answers):
+    import os
+
+    if "die" in responses:
+        os._exit(7)
+    return [1.0] * len(responses)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_worker_that_dies_is_an_error_and_each_death_is_a_restart(caplog, batched):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rewards.runner"):
+        fn = _exit_on_die if batched else (lambda r, a: _exit_on_die([r], [a])[0])
+        with RewardRunner(fn, timeout_s=5.0, batched=batched) as runner:
+            for call in (1, 2):
+                rewards, stats = runner.score(["die", "b"], ["a", "b"])
+                # batched: the death fails the whole batch; per sample: the dead item, then a new worker
+                assert rewards == ([0.0, 0.0] if batched else [0.0, 1.0])
+                assert stats == {"num_errors": 2 if batched else 1, "num_timeouts": 0}
+                assert runner.num_restarts == call
+            assert runner.score(["b"], ["b"])[0] == [1.0]
+    assert "reward worker process died" in caplog.records[0].getMessage()
+
+
+def test_a_batched_timeout_logs_only_the_first_failures():
+    import time
+
+    def slow(responses, answers):
+        time.sleep(30)
+
+    logger = logging.getLogger("megatron_rl.rewards.runner")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        with RewardRunner(slow, timeout_s=0.3, batched=True) as runner:
+            rewards, stats = runner.score(["a"] * 7, ["a"] * 7)
+    finally:
+        logger.removeHandler(handler)
+    assert stats["num_timeouts"] == 7 and len(seen) == MAX_LOGGED_FAILURES
+
+
+def test_close_stops_the_worker_politely():
+    with RewardRunner(scored, timeout_s=5.0) as runner:
+        runner.score(["a"], ["a"])
+        worker = runner._proc
+    assert worker.exitcode == 0  # it read the stop message and returned; not killed
+
+
+def test_a_script_that_never_closes_its_runner_still_exits():
+    """The worker is a daemon: the interpreter's exit ends it instead of waiting for it forever."""
+    import subprocess
+    import sys
+
+    script = ("from megatron_rl.rewards.runner import RewardRunner\n"
+              "runner = RewardRunner(lambda r, a: 1.0)\n"
+              "print(runner.score(['a'], ['a'])[0])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "[1.0]"
