@@ -217,6 +217,8 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
             break
     if module in SPAWNED:
         statuses = _run_spawned(work, env, SPAWNED[module], statuses, max_children, timeout_s)
+        if chosen and not rerun:
+            statuses = {name: statuses[name] for name in chosen}
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
             "returncode": proc.returncode, "mutants": len(statuses), "sampled_from": len(_results(work)) if chosen else None,
