@@ -214,6 +214,19 @@ class SGLangNcclTransport:
     def _name(self) -> str:
         return f"{self.group_name}_{self._epoch}"
 
+    def close(self) -> None:
+        """At the end of the run: the servers leave the weight group, and this rank destroys its side,
+        so the name can be used again in this process (a second run, a notebook)."""
+        with self.lock:
+            if self.group is None:
+                return
+            try:
+                self.engine.broadcast("/destroy_weights_update_group", {"group_name": self._name()},
+                                      servers=[s for s in self.engine.servers if s.restarts == 0])
+            finally:
+                collectives.destroy_group(self.group)
+                self.group, self._members = None, []
+
     def send(self, bucket: list[NamedTensor], version: int) -> None:
         flat, _ = flatten_bucket([(n, t.to(self.device)) for n, t in bucket])
         body = {**distributed_spec(bucket), "group_name": self._name(), "load_format": LOAD_FORMAT,

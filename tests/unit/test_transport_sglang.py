@@ -158,6 +158,14 @@ def test_nccl_transport_broadcasts_flattened_buckets(engine, qwen2_dir):
         assert {n: held[n] for n, _ in named} == as_held(named)
         assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
     assert engine.weight_version == 4
+    transport.close()
+    assert requests_seen(engine)[-1] == "/destroy_weights_update_group" and transport.group is None
+    transport.close()  # a second close has nothing left to do
+    assert requests_seen(engine)[-1] == "/destroy_weights_update_group"
+    again = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True)
+    again._init_group()  # the servers and this rank form the group under the same name again
+    assert again._name() == "megatron_rl_weights_0" and requests_seen(engine)[-1] == "/init_weights_update_group"
+    again.close()
 
 
 def test_disk_transport_to_sglang_loads_the_published_folder(engine, qwen2_dir, tmp_path):
