@@ -181,3 +181,30 @@ def test_a_plan_that_exactly_fills_the_gpu_fits():
     first = plan(cfg, spec, exact)
     assert first["peak_phase"] == "training" and first["fits"]
     assert not plan(cfg, spec, Cluster(nodes=4, gpu_mem_gb=(total - 1) / GB))["fits"]
+
+
+def test_the_jobs_cluster_is_its_world_and_its_devices_memory(monkeypatch):
+    import torch
+
+    from megatron_rl.cluster.plan import job_cluster
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert job_cluster() is None  # no device: nothing to plan
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    asked = []
+
+    def properties(device):
+        asked.append(device)
+        return type("Props", (), {"total_memory": 80 * GB + GB // 2})()
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert job_cluster() == Cluster(nodes=2, gpus_per_node=8, gpu_mem_gb=80.5, rollout_nodes=0) and asked == [3]
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert job_cluster() == Cluster(nodes=1, gpus_per_node=1, gpu_mem_gb=80.5, rollout_nodes=0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a partial node still plans one node
+    assert job_cluster().nodes == 1
