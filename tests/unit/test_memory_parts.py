@@ -272,3 +272,14 @@ def test_sequence_parallel_pads_the_packed_micro_batch_to_tp_blocks():
     tokens = 1280  # 1152 rounded up to 128 x TP 2
     vocab = spec.vocab_size / 2
     assert trainer_memory(cfg, spec, dp=4)["logprob_chunk"] == 2 * 2 * tokens * vocab + 4 * 4 * 1280 * vocab
+
+
+def test_non_square_weight_blocks_carry_one_scale_each(tiny_hf_factory):
+    from safetensors.torch import load_file
+
+    folder = tiny_hf_factory("qwen2")
+    payload = quantize_for_rollout(sorted(load_file(str(folder / "model.safetensors")).items()),
+                                   RolloutQuantSpec("fp8_blockwise", (32, 64), unquantized_dtype="bfloat16"))
+    sent = sum(t.numel() * t.element_size() for _, t in payload)
+    cfg = _cfg(*SGLANG, "precision.rollout_quant=fp8_blockwise", "precision.weight_block_size=[32,64]")
+    assert rollout_memory(cfg, ModelSpec.from_hf_config(folder), 80.0)["weights"] == sent
