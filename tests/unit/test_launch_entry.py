@@ -223,3 +223,61 @@ def test_serve_returns_0_on_a_stop_request_and_makes_its_log_folder_once_more(tm
     threading.Thread(target=stop_soon, daemon=True).start()
     assert launch.serve(argvs, tmp_path / "logs", "h1") == 0
     assert sorted(p.name for p in (tmp_path / "logs" / "h1").iterdir()) == ["server-1.log", "server-7.log"]
+
+
+def test_main_reads_its_arguments_overrides_and_flags(monkeypatch, capsys, tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("rollout:\n  engine: sglang\n  sglang:\n    tp_size: 2\n    mode: disaggregated\n"
+                        "    weight_transport: nccl\n")
+    monkeypatch.setattr(sys, "argv", ["megatron_rl.cluster.launch", str(cfg_file), "rollout.sglang.tp_size=4",
+                                      "--dry-run", "--nodes", "3", "--gpus-per-node", "4", "--rollout-nodes", "2"])
+    code, out, _ = _run_main(monkeypatch, capsys, None, {})
+    plan = json.loads(out)
+    assert code == 0 and [len(h["servers"]) for h in plan["hosts"]] == [1, 1, 0]  # TP 4 of the override
+    assert plan["world_size"] == 4  # one trainer host: the flag's 2 rollout hosts, not the default half
+
+
+def test_main_role_train_defaults_to_port_29500(monkeypatch, capsys, tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("train:\n  seed: 3\n")
+    ran = []
+    monkeypatch.setattr(launch, "run_trainer", lambda argv, env: ran.append(argv) or 0)
+    env = {"SLURM_JOB_NODELIST": "n1", "SLURM_GPUS_ON_NODE": "2", "SLURMD_NODENAME": "n1"}
+    assert _run_main(monkeypatch, capsys, [str(cfg_file), "--role", "train"], env)[0] == 0
+    assert "--master-port=29500" in ran[0]
+
+
+def test_main_role_serve_falls_back_to_the_configs_checkpoint(monkeypatch, capsys, tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"model:\n  hf_dir: {tmp_path / 'hf'}\nrollout:\n  engine: sglang\n  sglang:\n"
+                        f"    mode: disaggregated\n    weight_transport: nccl\n    server_command: [{SERVER[0]}]\n"
+                        f"    router_command: [{ROUTER[0]}]\n")
+    served = []
+    monkeypatch.setattr(launch, "serve", lambda argvs, log_dir, host: served.append(argvs) or 0)
+    env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_GPUS_ON_NODE": "1", "SLURMD_NODENAME": "n1",
+           "MEGATRON_RL_ROLLOUT_NODES": "1", "MEGATRON_RL_SGLANG_API_KEY": "k9"}
+    assert _run_main(monkeypatch, capsys, [str(cfg_file), "--role", "serve"], env)[0] == 0
+    server = served[0][0]
+    assert server[server.index("--model-path") + 1] == str(tmp_path / "hf")
+
+
+def test_a_trainer_rank_reads_the_export_from_its_own_environment(monkeypatch):
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.tp_size=2"])
+    for key in list(launch.os.environ):
+        if key.startswith("MEGATRON_RL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("MEGATRON_RL_HOSTS", "a,b")
+    monkeypatch.setenv("MEGATRON_RL_GPUS_PER_NODE", "2")  # no MEGATRON_RL_ROLLOUT_NODES: colocated, 0
+    plan = placement_for_run(cfg, 4)
+    assert [h.host for h in plan.hosts] == ["a", "b"] and plan.layout == "colocated"
+
+
+def test_the_servers_run_with_sglangs_environment_defaults(tmp_path, signals):
+    from megatron_rl.rollout.sglang_server import SERVER_ENV_DEFAULTS
+
+    seen = tmp_path / "env.json"
+    code = (f"import json, os; json.dump({{k: os.environ.get(k) for k in {sorted(SERVER_ENV_DEFAULTS)!r}}}, "
+            f"open({str(seen)!r}, 'w'))")
+    argvs = [[sys.executable, "-c", code, "--port", "5"]]
+    assert launch.serve(argvs, tmp_path / "logs", "h1") == 1  # it exits at once: the step ends
+    assert json.loads(seen.read_text()) == SERVER_ENV_DEFAULTS
