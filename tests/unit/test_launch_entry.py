@@ -281,3 +281,28 @@ def test_the_servers_run_with_sglangs_environment_defaults(tmp_path, signals):
     argvs = [[sys.executable, "-c", code, "--port", "5"]]
     assert launch.serve(argvs, tmp_path / "logs", "h1") == 1  # it exits at once: the step ends
     assert json.loads(seen.read_text()) == SERVER_ENV_DEFAULTS
+
+
+def test_an_unknown_role_is_refused_by_the_launchers_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as err:
+        main([str(tmp_path / "c.yaml"), "--role", "bogus"])
+    stderr = capsys.readouterr().err
+    assert err.value.code == 2 and stderr.startswith("usage: megatron-rl launch")
+    assert "argument --role: invalid choice: 'bogus'" in stderr and "'train'" in stderr
+
+
+def test_torchrun_runs_in_its_own_session(tmp_path, signals):
+    import os
+
+    out = tmp_path / "sid"
+    assert launch.run_trainer([sys.executable, "-c", f"import os; open({str(out)!r}, 'w').write(str(os.getsid(0)))"],
+                              {}) == 0
+    assert int(out.read_text()) != os.getsid(0)  # srun's signal to this task's group does not reach it twice
+
+
+def test_a_dead_router_ends_the_step_naming_its_log(tmp_path, capsys, signals):
+    argvs = [[sys.executable, "-c", "import time; time.sleep(60)", "--port", "5"],
+             [sys.executable, "-c", "import sys; sys.exit(1)  # the router", "--port", "6"]]
+    assert launch.serve(argvs, tmp_path / "logs", "h1") == 1
+    assert capsys.readouterr().err == f"h1: router-6 exited (see {tmp_path / 'logs' / 'h1'}); ending the serve step\n"
+    assert sorted(p.name for p in (tmp_path / "logs" / "h1").iterdir()) == ["router-6.log", "server-5.log"]
