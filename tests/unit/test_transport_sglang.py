@@ -193,3 +193,38 @@ def test_fp8_kv_cache_refuses_an_update_without_fresh_kv_scales_only_when_asked(
     eng.begin_update(1, session=False)
     with pytest.raises(ValueError, match="k_scale/v_scale"):
         eng.finish_update(1)
+
+
+def _log_of(server) -> list[str]:
+    return [p for p in server.client.get("/_double/log") if p in ("/init_weights_update_group",
+                                                                   "/destroy_weights_update_group")]
+
+
+def test_a_restarted_server_gets_a_fresh_group_and_every_server_its_own_ranks(fp8_dir, qwen2_dir):
+    """Two servers (ranks 1 and 2 of the group); server 1 dies and is restarted with the checkpoint:
+    the next sync destroys the old group on the server that still has it, forms a new one (next
+    name, next port) with both, and both end up holding exactly what was sent."""
+    from megatron_rl.sync.sglang_transport import SGLangNcclTransport
+
+    engine = make_engine(fp8_dir, num_servers=2)
+    try:
+        transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True)
+        run_sync(transport, payload(qwen2_dir, 1), 1)
+        first = transport.group
+        dead = engine.servers[1]
+        dead.process.proc.kill()
+        dead.process.proc.wait()
+        engine._check_server(dead)  # what a failed request does: restart it
+        assert dead.restarts == 1 and dead.process.alive()
+        named = payload(qwen2_dir, 2)
+        run_sync(transport, named, 2)
+        assert transport.group is not first and transport._name() == "megatron_rl_weights_1"
+        assert _log_of(engine.servers[0]) == ["/init_weights_update_group", "/destroy_weights_update_group",
+                                              "/init_weights_update_group"]
+        assert _log_of(dead) == ["/init_weights_update_group"]  # the restarted process never had the old one
+        for server in engine.servers:
+            held = server.client.get("/_double/hf_digests")
+            assert {n: held[n] for n, _ in named} == as_held(named), server.url
+        transport.close()
+    finally:
+        engine.shutdown()
