@@ -250,7 +250,7 @@ def test_a_worker_that_dies_is_an_error_and_each_death_is_a_restart(caplog, batc
                 assert stats == {"num_errors": 2 if batched else 1, "num_timeouts": 0}
                 assert runner.num_restarts == call
             assert runner.score(["b"], ["b"])[0] == [1.0]
-    assert "reward worker process died" in caplog.records[0].getMessage()
+    assert caplog.records[0].getMessage().endswith(" on item 0 scored 0.0: reward worker process died")
 
 
 def test_a_batched_timeout_logs_only_the_first_failures():
@@ -289,3 +289,12 @@ def test_a_script_that_never_closes_its_runner_still_exits():
               "print(runner.score(['a'], ['a'])[0])\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.strip() == "[1.0]"
+
+
+def test_a_worker_found_dead_between_calls_is_replaced_each_time():
+    with RewardRunner(scored, timeout_s=5.0) as runner:
+        for deaths in (1, 2):
+            runner.score(["a"], ["a"])
+            runner._proc.kill()
+            runner._proc.join()
+            assert runner.score(["b"], ["b"])[0] == [1.0] and runner.num_restarts == deaths
