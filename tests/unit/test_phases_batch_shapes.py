@@ -1,0 +1,39 @@
+"""The loop phases' small pieces by hand: padding a batch's columns for sequence parallel and its
+rows for equal micro-batches, and the response-length metrics (truncated = finished by length)."""
+
+from types import SimpleNamespace
+
+import torch
+
+from megatron_rl.loop import phases
+
+
+def _batch(rows: int, width: int) -> dict:
+    return {"tokens": torch.arange(rows * width).reshape(rows, width) + 1, "loss_mask": torch.ones(rows, width),
+            "advantages": torch.full((rows,), 0.5)}
+
+
+def test_columns_are_padded_to_the_next_multiple_with_masked_zeros():
+    padded = phases.pad_columns(_batch(2, 10), 8)
+    assert padded["tokens"].shape == (2, 16) and padded["loss_mask"].shape == (2, 16)
+    assert padded["tokens"][:, 10:].eq(0).all() and padded["loss_mask"][:, 10:].eq(0).all()
+    assert padded["tokens"][:, :10].equal(_batch(2, 10)["tokens"]) and padded["advantages"].shape == (2,)
+    same = _batch(2, 16)
+    assert phases.pad_columns(same, 8) is same
+
+
+def test_rows_are_padded_to_the_next_multiple_with_masked_copies():
+    padded, real = phases.pad_rows(_batch(3, 4), 4)
+    assert real == 3 and padded["tokens"].shape == (4, 4) and padded["advantages"].shape == (4,)
+    assert padded["loss_mask"][3].eq(0).all() and padded["tokens"][3].eq(0).all()
+    batch = _batch(4, 4)
+    assert phases.pad_rows(batch, 2) == (batch, 4)
+
+
+def test_truncated_responses_are_those_that_finished_by_length():
+    samples = [SimpleNamespace(response_ids=[1] * n, finish_reason=reason)
+               for n, reason in ((3, "stop"), (5, "length"), (1, "abort"), (5, "length"))]
+    run = SimpleNamespace(parallel=SimpleNamespace(dp_group=None))
+    per_sample, longest = phases._length_metrics(run, samples)
+    assert per_sample["response_length/mean"].tolist() == [3.0, 5.0, 1.0, 5.0]
+    assert per_sample["response_length/clip_ratio"].tolist() == [0.0, 1.0, 0.0, 1.0] and longest == 5.0
