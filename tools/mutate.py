@@ -54,7 +54,7 @@ MODULES: dict[str, list[str]] = {
                                    "tests/e2e/test_rl_orchestration.py"],
     # The outlier test (35 s, a resumed 4-step run) would be mapped to nearly every function of
     # build.py; it runs in the ordinary suite.
-    "megatron_rl/loop/build.py": ["tests/e2e/test_rl_loop.py", "--deselect",
+    "megatron_rl/loop/build.py": ["tests/unit/test_build_model_dir.py", "tests/e2e/test_rl_loop.py", "--deselect",
                                   "tests/e2e/test_rl_loop.py::test_outliers_are_planted_once_and_a_resume_keeps_them"],
     "megatron_rl/cluster/placement.py": ["tests/unit/test_placement.py"],
     "megatron_rl/cluster/launch.py": ["tests/unit/test_launch_entry.py", "tests/unit/test_launch.py"],
