@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".mutate"
-COPY = ("megatron_rl", "tests", "examples", "pytest.ini", "setup.py", "Makefile")  # tests read the pins in Makefile
+COPY = ("megatron_rl", "tests", "examples", "pytest.ini", "setup.py", "Makefile")  # tests read the pins in both
 # The console script, not `python -m mutmut`: -m puts the scratch folder (unmutated sources) first
 # on sys.path, ahead of PYTHONPATH's mutated copy.
 MUTMUT = str(Path(sys.executable).with_name("mutmut"))
@@ -111,7 +111,7 @@ def _setup_cfg(module: str, tests: list[str]) -> str:
         f"only_mutate = {module}\n"
         f"pytest_add_cli_args_test_selection =\n    {lines(tests)}\n"
         "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n"
-        "also_copy =\n    examples\n    pytest.ini\n    Makefile\n"
+        "also_copy =\n    examples\n    pytest.ini\n    Makefile\n    setup.py\n"
         # torch (threads, its allocator) is not fork-safe once a test ran in the parent
         "process_isolation = forkserver\n"
         "use_git_change_detection = false\n"
