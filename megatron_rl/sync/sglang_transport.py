@@ -16,6 +16,7 @@ changed from the previous version; a server that missed a bucket fails one of th
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +28,8 @@ from megatron_rl.rollout.sglang_payload import (LOAD_FORMAT, distributed_spec, f
                                                 serialize_flattened)
 from megatron_rl.sync.buckets import NamedTensor
 from megatron_rl.sync.transport import tensor_digest
+
+log = logging.getLogger(__name__)
 
 
 class _Checked:
@@ -223,6 +226,8 @@ class SGLangNcclTransport:
             try:
                 self.engine.broadcast("/destroy_weights_update_group", {"group_name": self._name()},
                                       servers=[s for s in self.engine.servers if s.restarts == 0])
+            except Exception as err:  # the run is over: a server already gone must not fail it
+                log.warning("weight group %s: servers not told to leave it (%s)", self._name(), err)
             finally:
                 collectives.destroy_group(self.group)
                 self.group, self._members = None, []
