@@ -199,7 +199,7 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work / "mutants"))
     t0 = time.monotonic()
     if rerun:  # after triage: the survivors (and mutants with no test) of the last run, against today's tests
-        chosen = sorted(n for n, st in _results(work).items() if st in ("survived", "no tests", "not checked"))
+        chosen = sorted(n for n, st in _results(work).items() if st in ("survived", "no tests"))
         if not chosen:
             raise SystemExit(f"{module}: nothing to rerun in {work}")
     else:
@@ -208,21 +208,20 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
         with open(work / "mutmut.log", "a" if attempt or chosen else "w") as log:
             proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *chosen],
                                   cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-        statuses = _results(work)
-        if chosen and not rerun:
-            statuses = {name: statuses[name] for name in chosen}
+        every = _results(work)
+        statuses = {name: every[name] for name in chosen} if sample and not rerun else every
         # mutmut 3.8's first run in a fresh folder (the one that generates the mutants) can stop at
         # its stats step with "could not find any test case for any mutant" and every mutant "not
         # checked"; the next run, which finds the mutants generated, maps and checks them.
         if any(status != "not checked" for status in statuses.values()):
             break
     if module in SPAWNED:
-        statuses = _run_spawned(work, env, SPAWNED[module], statuses, max_children, timeout_s)
-        if chosen and not rerun:
-            statuses = {name: statuses[name] for name in chosen}
+        every = _run_spawned(work, env, SPAWNED[module], statuses, max_children, timeout_s)
+        statuses = {name: every[name] for name in statuses}  # the drawn ones only, when sampled
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
-            "returncode": proc.returncode, "mutants": len(statuses), "sampled_from": len(_results(work)) if chosen else None,
+            "returncode": proc.returncode, "mutants": len(statuses),
+            "sampled_from": len(every) if sample and not rerun else None,
             "killed": counts["killed"], "survived": counts["survived"], "timeout": counts["timeout"],
             "other": {k: v for k, v in counts.items() if k not in ("killed", "survived", "timeout")},
             "survivors": sorted(n for n, s in statuses.items() if s == "survived")}

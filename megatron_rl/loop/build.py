@@ -97,9 +97,7 @@ class Run:
                                       f"params={self.actor.settings.params_dtype} "
                                       f"calib={'on' if self.cfg.calib.enabled else 'off'}")
                 log.info("curves written to %s", png)
-        transport = getattr(self.sync, "transport", None)
-        if hasattr(transport, "close"):
-            transport.close()  # before the engine stops its servers
+        self.sync.close()  # before the engine stops its servers
         if self.engine is not None:
             self.engine.shutdown()
         self.rewards.close()

@@ -68,6 +68,13 @@ class WeightSync:
             return
         yield from _pp_relay(self._local_buckets, par)
 
+    def close(self) -> None:
+        """At the end of the run: a transport that holds a resource beyond the run's servers (the
+        NCCL transport's weight group) releases it; the others hold none."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
+
     def sync(self) -> dict[str, float]:
         """Push the current weights as version+1; returns timing, size and check metrics."""
         start = time.perf_counter()

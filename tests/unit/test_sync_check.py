@@ -157,3 +157,16 @@ def test_a_rank_without_a_transport_feeds_its_peer_and_waits_for_the_owners(acto
     assert barriers == ["world"]  # once per sync, on the given group, after the buckets
     sync.sync()
     assert barriers == ["world", "world"]
+
+
+def test_close_releases_what_the_transport_holds_and_nothing_else():
+    closed = []
+
+    class _Holding:
+        def close(self):
+            closed.append(True)
+
+    WeightSync(None, _Holding(), RolloutQuantSpec()).close()
+    assert closed == [True]
+    WeightSync(None, InProcessTransport(None), RolloutQuantSpec()).close()  # holds nothing to release
+    WeightSync(None, None, RolloutQuantSpec()).close()  # a rank without a transport
