@@ -49,9 +49,10 @@ MODULES: dict[str, list[str]] = {
     "megatron_rl/loop/batch.py": ["tests/unit/test_rl_batch.py"],
     "megatron_rl/loop/refill.py": ["tests/unit/test_refill_plan.py"],
     "megatron_rl/loop/colocated.py": ["tests/unit/test_colocated_memory.py", "tests/e2e/test_colocated.py"],
-    "megatron_rl/loop/phases.py": ["tests/unit/test_phases_batch_shapes.py", "tests/unit/test_phases_calib.py",
-                                   "tests/unit/test_phases_losses.py",
-                                   "tests/e2e/test_rl_orchestration.py"],
+    # A tiny real run per test (test_phases_run.py); the end-to-end traces across steps
+    # (tests/e2e/test_rl_orchestration.py) run in the ordinary suite.
+    "megatron_rl/loop/phases.py": ["tests/unit/test_phases_run.py", "tests/unit/test_phases_batch_shapes.py",
+                                   "tests/unit/test_phases_calib.py", "tests/unit/test_phases_losses.py"],
     # The outlier test (35 s, a resumed 4-step run) would be mapped to nearly every function of
     # build.py; it runs in the ordinary suite.
     "megatron_rl/loop/build.py": ["tests/unit/test_build_model_dir.py", "tests/e2e/test_rl_loop.py", "--deselect",

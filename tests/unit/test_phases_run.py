@@ -1,0 +1,482 @@
+"""The phases of one RL step on a real tiny run (embedded engine, Megatron actor, one process, no
+warm start): what generate hands prepare, what prepare adds, what update_policy reports.
+
+Expected values are worked out here from what the engine returned (a spy keeps its samples) and
+from the components' public calls, never by the phases' own code. The end-to-end loop tests
+(tests/e2e/test_rl_orchestration.py) check the same flow across steps; these check each phase's
+numbers and knobs on their own, in a second or two each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import megatron.core.tensor_parallel  # noqa: F401 - imported at collection, not inside each test
+import pytest
+import torch
+import transformers  # noqa: F401
+
+from megatron_rl.actor.parallel import destroy_parallel
+from megatron_rl.config import load_config
+from megatron_rl.data.tasks import get_task
+from megatron_rl.loop import build, phases
+from megatron_rl.rewards import register_reward_fn
+from megatron_rl.rewards.functions import position_match
+from megatron_rl.rollout.base import Sample
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from test_rl_loop import EXAMPLES, TINY  # noqa: E402
+
+N = 4  # samples per prompt
+PROMPTS = 4  # prompts per step
+BASE = [*TINY, "train.sft_steps=0", "train.colocated_protocol=false", "model.tiny_num_layers=1",
+        f"rollout.n_samples_per_prompt={N}", f"data.prompts_per_step={PROMPTS}", "train.micro_batch_size=4",
+        "rollout.max_new_tokens=6"]
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """make_run(*overrides) -> a built Run on the tiny fp8_calibrated config, its engine synced."""
+    runs = []
+
+    def make(*overrides: str, sync: bool = True):
+        cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*BASE, f"log.dir={tmp_path / f'run{len(runs)}'}",
+                                                              *overrides])
+        run = build.build_run(cfg)
+        runs.append(run)
+        if sync:
+            run.sync.sync()
+        return run
+
+    yield make
+    for run in runs:
+        run.finish()
+    destroy_parallel()
+
+
+def spy_engine(run) -> list[tuple]:
+    """Every engine.generate call as (prompt ids, sampling params, samples)."""
+    calls, real = [], run.engine.generate
+
+    def generate(prompt_ids, sampling):
+        samples = real(prompt_ids, sampling)
+        calls.append((prompt_ids, sampling, samples))
+        return samples
+    run.engine.generate = generate
+    return calls
+
+
+def spy_train_step(run, skipped: bool = False) -> list[dict]:
+    """Every actor.train_step call as {"batch", "micro_batch_size", "result"}; `skipped` reports
+    each update as skipped (a non-finite gradient) after it ran."""
+    calls, real = [], run.actor.train_step
+
+    def train_step(batch, loss_fn, **kw):
+        result = real(batch, loss_fn, **kw)
+        if skipped:
+            result = {**result, "skipped": True}
+        calls.append({"batch": batch, "micro_batch_size": kw["micro_batch_size"], "result": result})
+        return result
+    run.actor.train_step = train_step
+    return calls
+
+
+def grpo(rewards: torch.Tensor, n: int = N) -> torch.Tensor:
+    """(R - group mean) / (group's unbiased std + 1e-6), written out per group."""
+    out = []
+    for g in range(0, len(rewards), n):
+        group = [float(r) for r in rewards[g:g + n]]
+        mean = sum(group) / n
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (n - 1))
+        out += [(r - mean) / (std + 1e-6) for r in group]
+    return torch.tensor(out)
+
+
+def per_row(batch: dict, key: str) -> torch.Tensor:
+    """A per-token quantity that is constant over each row's response (its value there)."""
+    mask = batch["loss_mask"]
+    return (batch[key] * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def texts_of(run, samples) -> list[str]:
+    return [run.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+
+
+# --- generate ---------------------------------------------------------------------------------------
+
+
+def test_generate_scores_every_response_and_normalises_it_within_its_group(make_run):
+    run = make_run()
+    calls = spy_engine(run)
+    prompts = run.loader.next_batch()
+    rollout = phases.generate(run, prompts, step=0)
+    (ids, sampling, samples), = calls
+    assert ids == [p.prompt_ids for p in prompts]
+    assert [s.prompt_index for s in samples] == [i // N for i in range(PROMPTS * N)]
+    texts = texts_of(run, samples)
+    rewards = torch.tensor([position_match(t, prompts[i // N].answer) for i, t in enumerate(texts)])
+    assert rewards.std() > 0  # not vacuous: the groups' advantages differ
+
+    batch = rollout.batch
+    for row, s in enumerate(samples):  # the batch holds the samples in order, response tokens masked in
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        assert batch["tokens"][row, :p + r].tolist() == list(s.prompt_ids) + list(s.response_ids)
+        assert batch["loss_mask"][row].tolist() == [0.0] * p + [1.0] * r + [0.0] * (batch["tokens"].shape[1] - p - r)
+        torch.testing.assert_close(batch["rollout_logprobs"][row, p:p + r], torch.tensor(s.rollout_logprobs))
+    torch.testing.assert_close(per_row(batch, "advantages"), grpo(rewards), rtol=1e-5, atol=1e-5)
+    assert "rewards" not in batch  # only a KL-in-reward run carries them on to prepare
+
+    m, lengths = rollout.metrics, torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    valid = get_task("sort").valid_format
+    expected = {
+        "reward/mean": float(rewards.double().mean()), "reward/accuracy": float(rewards.double().mean()),
+        "reward/std": float(rewards.double().std(unbiased=False)), "reward/overlong_penalty": 0.0,
+        "reward/errors": 0.0, "reward/timeouts": 0.0,
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "dynamic_sampling/kept_frac": 1.0, "step/skipped": 0.0,
+        "health/garbled_rate": sum(not valid(t) for t in texts) / len(texts),
+    }
+    assert {k: m[k] for k in expected} == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert not [k for k in m if k.startswith("dapo/")]
+    assert 0.0 < m["time/rollout"] < 60.0
+
+
+def test_sampling_follows_the_rollout_config(make_run):
+    run = make_run("rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=5", "rollout.min_p=0.05",
+                   "rollout.stop_token_ids=[3]", "rollout.stop=[';']", "rollout.max_new_tokens=5")
+    calls = spy_engine(run)
+    phases.generate(run, run.loader.next_batch(), step=0)
+    (_, sampling, samples), = calls
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (0.7, 0.9, 5, 0.05)
+    assert (sampling.max_new_tokens, sampling.n, tuple(sampling.stop)) == (5, N, (";",))
+    assert list(sampling.stop_token_ids) == [run.tokenizer.eos_token_id, 3]
+    assert max(len(s.response_ids) for s in samples) <= 5
+
+
+def test_a_step_draws_its_own_seed_and_a_repeat_draws_the_same_samples(make_run):
+    run = make_run()
+    calls = spy_engine(run)
+    prompts = run.loader.next_batch()
+    for step in (3, 3, 4):
+        phases.generate(run, prompts, step)
+    seeds = [sampling.seed for _, sampling, _ in calls]
+    responses = [[s.response_ids for s in samples] for *_, samples in calls]
+    assert seeds[0] == seeds[1] != seeds[2]
+    assert responses[0] == responses[1] != responses[2]
+    # every (step, round) pair of a run gets its own seed, and the seed of the run (train.seed) counts
+    drawn = {phases._step_seed(seed, step, salt) for seed in (0, 1) for step in range(50) for salt in (1, 1000, 1001)}
+    assert len(drawn) == 2 * 50 * 3
+    assert all(0 <= s < 2**31 - 1 for s in drawn)
+
+
+def test_rollout_seed_replaces_the_runs_seed(make_run):
+    run = make_run("train.seed=5")
+    calls = spy_engine(run)
+    prompts = run.loader.next_batch()
+    phases.generate(run, prompts, 0)
+    run.cfg.rollout.seed = 5
+    phases.generate(run, prompts, 0)  # the same seed as the run's: the same draw
+    run.cfg.rollout.seed = 6
+    phases.generate(run, prompts, 0)
+    seeds = [sampling.seed for _, sampling, _ in calls]
+    assert seeds[0] == seeds[1] != seeds[2]
+
+
+def _reward_components(response: str, answer: str) -> dict:
+    return {"score": position_match(response, answer), "length": float(len(response)), "mean": 2.0}
+
+
+def test_reward_components_are_averaged_and_a_reserved_name_is_renamed(make_run):
+    register_reward_fn("test_phases_components", _reward_components)
+    run = make_run("reward.name=test_phases_components")
+    calls = spy_engine(run)
+    prompts = run.loader.next_batch()
+    m = phases.generate(run, prompts, step=0).metrics
+    texts = texts_of(run, calls[0][2])
+    assert m["reward/length"] == pytest.approx(sum(len(t) for t in texts) / len(texts))
+    assert m["reward/fn_mean"] == 2.0  # "mean" is the loop's own reward/mean
+    assert m["reward/mean"] == pytest.approx(
+        sum(position_match(t, prompts[i // N].answer) for i, t in enumerate(texts)) / len(texts))
+
+
+def test_the_reward_sees_the_text_before_a_stop_string_and_a_user_dataset_has_no_format_check(make_run, tmp_path):
+    run = make_run("rollout.stop=['5']")
+    prompts = run.loader.next_batch()[:1]
+    responses = ["12359", "12", "5", "1234"]
+    samples = [Sample(0, list(prompts[0].prompt_ids), run.tokenizer.encode(r, add_special_tokens=False), [0.0], "stop")
+               for r in responses]
+    rewards, metrics, garbled = phases._score(run, prompts, samples)
+    seen = [r.split("5")[0] for r in responses]
+    assert texts_of(run, samples) == responses  # the tokenizer round-trips them
+    torch.testing.assert_close(rewards, torch.tensor([position_match(t, prompts[0].answer) for t in seen]))
+    valid = get_task("sort").valid_format
+    assert garbled.tolist() == [float(not valid(t)) for t in seen]
+    assert metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p.prompt_text, "answer": p.answer}) + "\n" for p in prompts * 8))
+    user = make_run(f"data.path={data}", "data.prompt_key=prompt", "data.answer_key=answer", sync=False)
+    assert phases._score(user, prompts, samples)[2] is None
+
+
+def test_overlong_shaping_penalises_long_responses_and_is_off_by_default(make_run):
+    run = make_run("algo.overlong_buffer_len=2", "algo.overlong_penalty_factor=0.5", "rollout.max_new_tokens=6")
+    samples = [Sample(0, [1], [5] * length, [0.0] * length, "stop") for length in (3, 4, 5, 6)]
+    # DAPO: 0 up to max - buffer (4), then -factor * (length - 4) / buffer
+    assert phases._overlong(run, samples).tolist() == [0.0, 0.0, -0.25, -0.5]
+    run.cfg.algo.overlong_buffer_len = 0
+    assert phases._overlong(run, samples).tolist() == [0.0] * 4
+
+
+# --- dynamic sampling: rounds and the kept batch -----------------------------------------------------
+
+
+def _round(samples, rewards, keep, penalty=None):
+    n_rows = len(samples)
+    return phases._Round(prompts=[], samples=samples, accuracy=torch.tensor(rewards, dtype=torch.float32),
+                         penalty=torch.zeros(n_rows) if penalty is None else torch.tensor(penalty),
+                         keep=torch.tensor(keep), garbled=None, stats={"reward/errors": 1.0, "reward/timeouts": 0.0},
+                         components={}, counts=torch.tensor([sum(keep) // N]), seconds=0.5)
+
+
+def _samples(first_token: int, lengths=(1, 2, 3, 4)):
+    return [Sample(i // N, [1, 2], [first_token + i] * length, [-0.5] * length, "stop")
+            for i, length in enumerate(lengths)]
+
+
+def test_the_kept_batch_trains_the_kept_groups_and_pads_with_masked_rows(make_run):
+    run = make_run(sync=False)
+    dropped = _round(_samples(10), [1.0, 1.0, 1.0, 1.0], [False] * 4)
+    kept = _round(_samples(20), [1.0, 0.0, 0.0, 1.0], [True] * 4)
+    batch = phases._kept_batch(run, [dropped, kept], taken=[0, 1], most=2)
+    assert batch["tokens"].shape[0] == 2 * N
+    assert [int(row[2]) for row in batch["tokens"][:N]] == [20, 21, 22, 23]  # the kept group first
+    assert batch["loss_mask"][:N].sum(1).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert batch["loss_mask"][N:].sum() == 0 and batch["advantages"][N:].abs().sum() == 0
+    torch.testing.assert_close(per_row(batch, "advantages")[:N], grpo(torch.tensor([1.0, 0.0, 0.0, 1.0])))
+    assert "rewards" not in batch
+    run.cfg.algo.kl_reward_coef = 0.1
+    batch = phases._kept_batch(run, [dropped, kept], taken=[0, 1], most=2)
+    assert batch["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_rollout_metrics_cover_every_round_before_anything_is_dropped(make_run):
+    run = make_run(sync=False)
+    first = _round(_samples(10, (1, 2, 3, 6)), [1.0, 1.0, 1.0, 1.0], [False] * 4, penalty=[0.0, 0.0, 0.0, -0.5])
+    second = _round(_samples(20), [1.0, 0.0, 0.0, 1.0], [True] * 4)
+    first.samples[3].finish_reason = "length"
+    second.components = {"reward/length": [1.0, 2.0, 3.0, 4.0]}
+    m = phases._rollout_metrics(run, [first, second])
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    assert m["reward/mean"] == pytest.approx(float(rewards.mean()))
+    assert m["reward/std"] == pytest.approx(float(rewards.std(unbiased=False)))
+    assert m["reward/accuracy"] == pytest.approx(6 / 8)
+    assert m["reward/overlong_penalty"] == pytest.approx(-0.5 / 8)
+    assert m["dynamic_sampling/kept_frac"] == 0.5
+    assert m["response_length/mean"] == pytest.approx((1 + 2 + 3 + 6 + 1 + 2 + 3 + 4) / 8)
+    assert m["response_length/max"] == 6.0 and m["response_length/clip_ratio"] == 1 / 8
+    assert m["reward/length"] == pytest.approx(10 / 8)  # a round without the component counts 0
+    assert m["reward/errors"] == 2.0 and m["reward/timeouts"] == 0.0  # counts add up over the rounds
+    assert m["time/rollout"] == 1.0
+    assert "health/garbled_rate" not in m  # no format check (a user dataset)
+
+
+def _constant(response: str, answer: str) -> float:
+    return 0.25
+
+
+def test_a_step_whose_groups_all_drop_is_skipped_after_max_gen_batches(make_run):
+    register_reward_fn("test_phases_constant", _constant)
+    run = make_run("algo.dynamic_sampling=true", "algo.max_gen_batches=3", "reward.name=test_phases_constant")
+    calls = spy_engine(run)
+    rollout = phases.generate(run, run.loader.next_batch(), step=2)
+    assert rollout.batch is None
+    m = rollout.metrics
+    assert (m["step/skipped"], m["dapo/gen_batches"], m["dapo/kept_groups"], m["dapo/kept_fraction"]) == (1.0, 3.0, 0.0, 0.0)
+    assert m["dynamic_sampling/kept_frac"] == 0.0 and m["reward/mean"] == 0.25
+    assert len(calls) == 3 and len({sampling.seed for _, sampling, _ in calls}) == 3  # each round its own draw
+    assert len({tuple(ids[0]) for ids, _, _ in calls}) == 3  # and its own prompts
+
+
+# --- prepare -----------------------------------------------------------------------------------------
+
+
+def _rollout_batch(run, step=0):
+    rollout = phases.generate(run, run.loader.next_batch(), step)
+    return rollout.batch, dict(rollout.metrics)
+
+
+def test_old_logprobs_are_the_fp8_trainers_and_nothing_is_skipped(make_run):
+    run = make_run()
+    batch, metrics = _rollout_batch(run)
+    rows = batch["tokens"].shape[0]
+    expected = run.actor.compute_logprobs(batch, micro_batch_size=rows, with_entropy=False, fp8=True)["logprobs"]
+    bf16 = run.actor.compute_logprobs(batch, micro_batch_size=rows, with_entropy=False, fp8=False)["logprobs"]
+    out = phases.prepare(run, batch, 0, metrics)
+    on = batch["loss_mask"] > 0
+    assert out is batch
+    torch.testing.assert_close(out["old_logprobs"][on], expected[on])
+    assert not torch.equal(out["old_logprobs"][on], bf16[on])  # the recipe matters here
+    assert metrics["guard/nonfinite_logprobs"] == 0.0 and metrics["time/old_logprobs"] > 0
+    assert "step/skipped" in metrics and metrics["step/skipped"] == 0.0
+    assert phases.prepare(run, None, 0, metrics) is None
+
+
+def test_rollout_logprobs_can_be_the_old_ones_and_a_nonfinite_one_skips_the_step(make_run):
+    run = make_run("algo.use_rollout_logprobs=true")
+    batch, metrics = _rollout_batch(run)
+    out = phases.prepare(run, batch, 0, metrics)
+    assert torch.equal(out["old_logprobs"], batch["rollout_logprobs"])
+    out["old_logprobs"][0, 0] = 7.0
+    assert out["rollout_logprobs"][0, 0] != 7.0  # a copy: the loss's TIS weights keep the rollout's
+    batch, metrics = _rollout_batch(run, 1)
+    prompt_pos = int((batch["loss_mask"][0] == 0).nonzero()[0])
+    batch["rollout_logprobs"][0, prompt_pos] = float("nan")  # not a response token: not counted
+    assert phases.prepare(run, batch, 1, metrics) is batch
+    response = (batch["loss_mask"] > 0).nonzero()
+    for row, col in response[:3].tolist():
+        batch["rollout_logprobs"][row, col] = float("inf")
+    assert phases.prepare(run, batch, 1, metrics) is None
+    assert metrics["guard/nonfinite_logprobs"] == 3.0 and metrics["step/skipped"] == 1.0
+
+
+def _k3(old: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    d = ref - old
+    return torch.exp(d) - d - 1
+
+
+def test_reference_kl_is_measured_against_the_frozen_initial_weights(make_run):
+    run = make_run("algo.kl_loss_coef=0.1", "algo.kl_loss_type=k3", "algo.ref_precision=train", "train.lr=1e-2")
+    batch, metrics = _rollout_batch(run)
+    phases.prepare(run, batch, 0, metrics)
+    assert metrics["kl/ref_mean"] == 0.0  # before any update the actor is the reference
+    phases.update_policy(run, batch, 0)
+    batch, metrics = _rollout_batch(run, 1)
+    out = phases.prepare(run, batch, 1, metrics)
+    rows, on = batch["tokens"].shape[0], batch["loss_mask"] > 0
+    ref = run.ref.compute_logprobs(batch, micro_batch_size=rows, with_entropy=False, fp8=True)["logprobs"]
+    torch.testing.assert_close(out["ref_logprobs"][on], ref[on])
+    expected = float(_k3(out["old_logprobs"][on], ref[on]).double().mean())
+    assert expected > 1e-6
+    assert metrics["kl/ref_mean"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["time/ref_logprobs"] > 0 and "kl/reward_penalty" not in metrics
+
+
+def test_kl_in_reward_takes_the_penalty_off_each_reward_before_the_advantages(make_run):
+    run = make_run("algo.kl_reward_coef=0.5", "algo.kl_reward_type=k1", "algo.ref_precision=bf16", "train.lr=1e-2")
+    calls = spy_engine(run)
+    prompts = run.loader.next_batch()
+    rollout = phases.generate(run, prompts, 0)
+    batch, metrics = rollout.batch, dict(rollout.metrics)
+    texts = texts_of(run, calls[0][2])
+    rewards = torch.tensor([position_match(t, prompts[i // N].answer) for i, t in enumerate(texts)])
+    torch.testing.assert_close(batch["rewards"], rewards)
+    out = phases.prepare(run, batch, 0, metrics)
+    on = out["loss_mask"]
+    kl = (out["old_logprobs"] - out["ref_logprobs"]) * on  # k1, old (FP8) vs reference (BF16)
+    penalty = 0.5 * kl.sum(-1)
+    assert penalty.abs().max() > 1e-4  # FP8 against BF16: not vacuous
+    torch.testing.assert_close(per_row(out, "advantages"), grpo(rewards - penalty), rtol=1e-4, atol=1e-4)
+    assert metrics["kl/reward_penalty"] == pytest.approx(float(penalty.double().mean()), rel=1e-4, abs=1e-7)
+    assert "rewards" not in out
+
+
+# --- update_policy -----------------------------------------------------------------------------------
+
+
+def test_update_policy_trains_every_mini_batch_of_every_epoch_and_reports_the_mean_grad_norm(make_run):
+    run = make_run("train.ppo_epochs=2", "train.num_mini_batches=2", "calib.period=2")
+    batch, metrics = _rollout_batch(run)
+    phases.update_policy(run, phases.prepare(run, batch, 0, metrics), 0)  # step 0 calibrates
+    batch, metrics = _rollout_batch(run, 1)
+    batch = phases.prepare(run, batch, 1, metrics)
+    calls = spy_train_step(run)
+    out = phases.update_policy(run, batch, 1)  # step 1 does not
+    assert len(calls) == 4
+    for epoch in (calls[:2], calls[2:]):  # each epoch: the batch's rows, once each
+        tokens = sorted(map(tuple, torch.cat([c["batch"]["tokens"] for c in epoch])[:, :batch["tokens"].shape[1]].tolist()))
+        assert tokens == sorted(map(tuple, batch["tokens"].tolist()))
+    norms = [c["result"]["grad_norm"] for c in calls]
+    assert out["grad_norm"] == pytest.approx(sum(norms) / 4)
+    assert out["guard/skipped_updates"] == 0.0
+    assert (out["calib/low"], out["calib/high"]) == run.controller.bounds
+    assert out["calib/high_unbounded"] == 0.0 and out["time/train"] > 0
+    assert not [k for k in out if k.startswith("shadow/")]
+    # the first mini-batch trains at theta_old: its ratios are exactly 1 (the same FP8 forward)
+    assert out["noise/log_ratio_std_at_old"] == 0.0 and out["noise/pg_clipfrac_at_old"] == 0.0
+    assert "noise/clip_low_neg_at_old" in out
+
+
+def test_skipped_updates_are_counted(make_run):
+    run = make_run("train.num_mini_batches=2")
+    batch, metrics = _rollout_batch(run, 1)
+    batch = phases.prepare(run, batch, 1, metrics)
+    spy_train_step(run, skipped=True)
+    assert phases.update_policy(run, batch, 1)["guard/skipped_updates"] == 2.0
+
+
+def test_a_calibration_step_calibrates_on_its_last_mini_batch_and_dumps_what_it_used(make_run, tmp_path):
+    dump = tmp_path / "calib"
+    run = make_run("calib.period=2", f"calib.dump_dir={dump}", "train.num_mini_batches=2", "train.lr=1e-2")
+    batch, metrics = _rollout_batch(run, 2)
+    batch = phases.prepare(run, batch, 2, metrics)
+    calls = spy_train_step(run)
+    out = phases.update_policy(run, batch, 2)
+    assert out["calib/num_calibrations"] == 1.0 and out["calib/skipped"] == 0.0
+    shadow = {k for k in out if k.startswith("shadow/")}
+    assert shadow == set(phases.SHADOW_KEYS.values())
+    assert (out["calib/low"], out["calib/high"]) == run.controller.bounds
+    saved = torch.load(dump / "calib_000002.pt", weights_only=False)
+    assert saved["step"] == 2 and saved["bounds"] == run.controller.bounds
+    last = calls[-1]["batch"]
+    assert len(saved["micro_batches"]) == 2  # the last mini-batch's 8 rows, 4 per micro-batch
+    assert list(saved["input_names"]) == list(phases.HIST_INPUTS)
+    inputs = {k: torch.cat([mb[i] for mb in saved["micro_batches"]])
+              for i, k in enumerate(saved["input_names"])}
+    width = inputs["loss_mask"].shape[1]
+    for key in ("loss_mask", "advantages", "old_logprobs", "rollout_logprobs"):
+        torch.testing.assert_close(inputs[key], last[key][:, :width])
+    torch.testing.assert_close(saved["local_payload"], saved["payload"])  # one rank: nothing to add
+    assert saved["algo"]["use_tis"] is True and saved["algo"]["level"] == "token"
+    # the next step does not calibrate: no shadow pass, no dump
+    batch, metrics = _rollout_batch(run, 3)
+    out = phases.update_policy(run, phases.prepare(run, batch, 3, metrics), 3)
+    assert not [k for k in out if k.startswith("shadow/")] and not (dump / "calib_000003.pt").exists()
+
+
+def test_diagnose_only_logs_what_calibration_would_set_and_keeps_the_default_bounds(make_run):
+    run = make_run("calib.enabled=false", "calib.diagnose=true", "calib.period=1", "algo.eps_clip=0.3",
+                   "algo.eps_clip_high=0.25")
+    batch, metrics = _rollout_batch(run)
+    out = phases.update_policy(run, phases.prepare(run, batch, 0, metrics), 0)
+    assert (out["calib/low"], out["calib/high"]) == (0.7, 1.25)
+    assert set(phases.DIAGNOSE_KEYS.values()) <= set(out)
+    assert not [k for k in out if k.startswith("calib/") and k not in ("calib/low", "calib/high", "calib/high_unbounded")]
+    assert {k for k in out if k.startswith("shadow/")} == set(phases.SHADOW_KEYS.values())
+
+
+def test_cispo_has_no_lower_bound(make_run):
+    run = make_run("calib.enabled=false", "algo.loss_mode=cispo", "algo.eps_clip=1.0", "algo.eps_clip_high=4.0")
+    assert phases._bounds(run) == (0.0, 5.0)
+
+
+def test_samples_are_dumped_with_their_rewards_and_advantages_on_the_steps_asked(make_run):
+    run = make_run("log.dump_samples_every=2", "log.dump_samples_num=3", "rollout.stop=[';']")
+    calls = spy_engine(run)
+    prompts = run.loader.next_batch()
+    phases.generate(run, prompts, step=1)
+    assert not (Path(run.cfg.log.dir) / "samples").exists()
+    phases.generate(run, prompts, step=2)
+    samples = calls[-1][2]
+    records = [json.loads(line) for line in (Path(run.cfg.log.dir) / "samples" / "step_000002.jsonl").read_text().splitlines()]
+    texts = [t.split(";")[0] for t in texts_of(run, samples)]
+    rewards = torch.tensor([position_match(t, prompts[i // N].answer) for i, t in enumerate(texts)])
+    advantages = grpo(rewards)
+    assert len(records) == 3
+    for i, r in enumerate(records):
+        assert (r["response"], r["answer"], r["prompt"]) == (texts[i], prompts[0].answer, prompts[0].prompt_text)
+        assert r["reward"] == pytest.approx(float(rewards[i])) and r["advantage"] == pytest.approx(float(advantages[i]), abs=1e-5)
+        assert (r["response_length"], r["finish_reason"]) == (len(samples[i].response_ids), samples[i].finish_reason)
