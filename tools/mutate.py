@@ -53,10 +53,10 @@ MODULES: dict[str, list[str]] = {
     # (tests/e2e/test_rl_orchestration.py) run in the ordinary suite.
     "megatron_rl/loop/phases.py": ["tests/unit/test_phases_run.py", "tests/unit/test_phases_batch_shapes.py",
                                    "tests/unit/test_phases_calib.py", "tests/unit/test_phases_losses.py"],
-    # The outlier test (35 s, a resumed 4-step run) would be mapped to nearly every function of
-    # build.py; it runs in the ordinary suite.
-    "megatron_rl/loop/build.py": ["tests/unit/test_build_model_dir.py", "tests/e2e/test_rl_loop.py", "--deselect",
-                                  "tests/e2e/test_rl_loop.py::test_outliers_are_planted_once_and_a_resume_keeps_them"],
+    # Built runs and launched server doubles, checked on the objects (test_build_run.py); the
+    # end-to-end runs (tests/e2e/test_rl_loop.py, test_colocated.py) are in the ordinary suite.
+    "megatron_rl/loop/build.py": ["tests/unit/test_build_run.py", "tests/unit/test_build_model_dir.py",
+                                  "tests/unit/test_placement.py::test_each_rank_gets_the_sglang_settings_of_its_role"],
     "megatron_rl/cluster/placement.py": ["tests/unit/test_placement.py"],
     "megatron_rl/cluster/launch.py": ["tests/unit/test_launch_entry.py", "tests/unit/test_launch.py"],
     "megatron_rl/cluster/plan.py": ["tests/unit/test_plan_report.py", "tests/unit/test_plan.py"],

@@ -1,0 +1,362 @@
+"""What build_run assembles from a config, checked on the built objects of a tiny run (one process,
+the embedded engine, no warm start): the engine and its knobs, the actor's optimizer and schedule,
+the reference, the loader, the reward runner, the checkpointer and logger, the files a run leaves
+in its folder, and Run's own bookkeeping (save / export steps, finish's order)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import megatron.core.tensor_parallel  # noqa: F401 - imported at collection, not inside each test
+import pytest
+import torch
+import transformers  # noqa: F401
+
+from megatron_rl.actor.parallel import destroy_parallel
+from megatron_rl.config import load_config
+from megatron_rl.loop import build
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from test_rl_loop import EXAMPLES, TINY  # noqa: E402
+
+BASE = [*TINY, "train.sft_steps=0", "train.colocated_protocol=false", "model.tiny_num_layers=1"]
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """make_run(*overrides) -> build_run of the tiny fp8_calibrated config (finished afterwards)."""
+    runs = []
+
+    def make(*overrides: str):
+        cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*BASE, f"log.dir={tmp_path / f'run{len(runs)}'}",
+                                                              *overrides])
+        runs.append(build.build_run(cfg))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.finish()
+    destroy_parallel()
+
+
+def test_the_embedded_engine_gets_the_rollout_precision_of_the_config(make_run):
+    run = make_run("precision.rollout_quant=fp8_blockwise", "precision.weight_block_size=[32,32]",
+                   "precision.scale_format=ue8m0", "rollout.kv_cache_dtype=fp8_e4m3", "train.seed=11")
+    from megatron_rl.rollout.torch_engine import TorchRolloutEngine
+    from megatron_rl.sync.transport import InProcessTransport
+
+    e = run.engine
+    assert type(e) is TorchRolloutEngine and type(run.sync.transport) is InProcessTransport
+    assert run.sync.transport.engine is e
+    assert (e.rollout_quant, e.weight_block_size, e.scale_format) == ("fp8_blockwise", (32, 32), "ue8m0")
+    assert e.kv_scales == [[1.0, 1.0]]  # the FP8 KV cache's unit scales, one layer
+    assert e._generator.initial_seed() == 11
+    assert run.is_engine_rank and run.is_log_rank and run.host_groups is not None
+    # the model folder: the tiny warm-start cache next to the run folder, the tokenizer read from it
+    assert Path(e.stop_tokenizer_source).parent == Path(run.cfg.log.dir).parent / ".tiny_models"
+    assert run.tokenizer.eos_token_id is not None
+
+
+def test_the_actor_follows_the_optimizer_and_schedule_of_the_config(make_run):
+    run = make_run("train.lr=1e-3", "train.min_lr=1e-4", "train.lr_warmup_steps=2", "train.lr_decay_style=linear",
+                   "train.num_steps=6", "train.weight_decay=0.01", "train.adam_beta1=0.8", "train.adam_beta2=0.9",
+                   "train.adam_eps=1e-6", "train.clip_grad=0.5")
+    a = run.actor
+    assert a.clip_grad == 0.5
+    groups = a.optimizer.param_groups
+    assert {(g["betas"], g["eps"]) for g in groups} == {((0.8, 0.9), 1e-6)}
+    assert {g["weight_decay"] for g in groups} <= {0.01, 0.0} and 0.01 in {g["weight_decay"] for g in groups}
+    # warm-up from 0 over 2 steps, then linear decay to min_lr at train.num_steps (decay_steps 0)
+    expected = [0.0, 5e-4, 1e-3, 7.75e-4, 5.5e-4, 3.25e-4, 1e-4, 1e-4]
+    seen = [a.lr]
+    for _ in range(7):
+        a.advance_lr_schedule()
+        seen.append(a.lr)
+    assert seen == pytest.approx(expected, abs=1e-12)
+    assert run.ref is None and run.kv_calibration is None
+
+
+def test_the_start_line_is_logged_and_kept_in_the_run_folder(make_run, caplog):
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+        run = make_run("precision.train_recipe=tensorwise")
+    info = json.loads((Path(run.cfg.log.dir) / "actor_settings.json").read_text())
+    assert info["train_recipe"] == "tensorwise" and info["dp_size"] == 1
+    assert info["settings"] == run.actor.settings.to_dict()
+    assert info["summary"] == run.actor.settings.summary("tensorwise", 1)
+    assert info["summary"] in caplog.text
+    placement = [r.getMessage() for r in caplog.records if r.getMessage().startswith("placement ")]
+    assert len(placement) == 1
+    assert json.loads(placement[0].removeprefix("placement ")) == {
+        "rank": 0, "host": run.cfg.rollout.sglang.host, "pid": __import__("os").getpid(), "local_rank": 0,
+        "role": "owner", "owned_servers": [], "servers": []}
+
+
+def test_the_config_the_run_used_is_saved_and_reads_back(make_run):
+    run = make_run("train.lr=3e-4", "rollout.max_new_tokens=7")
+    saved = load_config(Path(run.cfg.log.dir) / "config.yaml", [])
+    assert saved.to_dict() == run.cfg.to_dict()
+    assert (saved.train.lr, saved.rollout.max_new_tokens) == (3e-4, 7)
+
+
+def test_the_checkpointer_and_logger_follow_the_config(make_run):
+    run = make_run("checkpoint.async_save=true", "checkpoint.keep_last=3", "train.num_steps=9")
+    c = run.checkpointer
+    assert c.root == Path(run.cfg.log.dir) / "checkpoints" and c.async_save and c.keep_last == 3
+    assert c.hf_dir == Path(run.engine.stop_tokenizer_source)
+    lg = run.logger
+    assert lg.enabled and lg.total_steps == 9 and lg.dir == Path(run.cfg.log.dir)
+
+
+@pytest.mark.parametrize("ref_precision, fp8", [("train", True), ("bf16", False)])
+def test_the_reference_is_a_frozen_copy_of_the_initial_weights(make_run, ref_precision, fp8):
+    run = make_run("algo.kl_loss_coef=0.1", f"algo.ref_precision={ref_precision}")
+    ref, actor = run.ref, run.actor
+    assert ref is not None and ref.optimizer is None
+    assert all(not p.requires_grad for p in ref.model[0].parameters())
+    assert (ref.fp8_recipe is not None) is fp8
+    for (name, p), (_, q) in zip(actor.model[0].named_parameters(), ref.model[0].named_parameters()):
+        assert torch.equal(p.detach().float(), q.detach().float()), name
+
+
+def test_planted_outliers_reach_the_actor_and_the_reference_alike(make_run):
+    run = make_run("model.outlier_channels=2", "model.outlier_scale=8", "algo.kl_loss_coef=0.1")
+    before = [p.detach().clone() for p in run.actor.model[0].parameters()]
+    run.plant_outliers()
+    after = list(run.actor.model[0].parameters())
+    assert any(not torch.equal(b, a.detach()) for b, a in zip(before, after))
+    for p, q in zip(run.actor.model[0].parameters(), run.ref.model[0].parameters()):
+        assert torch.equal(p.detach().float(), q.detach().float())  # the reference is built planted
+
+
+def test_no_outliers_leave_the_weights_alone(make_run):
+    run = make_run()
+    before = [p.detach().clone() for p in run.actor.model[0].parameters()]
+    run.plant_outliers()
+    assert all(torch.equal(b, a.detach()) for b, a in zip(before, run.actor.model[0].parameters()))
+
+
+def test_an_fp8_kv_cache_with_calibrated_scales_gets_a_calibration_and_its_scales_are_sent(make_run):
+    run = make_run("rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.kv_scales=calibrated")
+    from megatron_rl.actor.kv_amax import KvCalibration
+
+    assert isinstance(run.kv_calibration, KvCalibration)
+    assert run.sync.kv_scales is not None
+
+
+# --- the pieces build_run calls, on configs alone ----------------------------------------------------
+
+
+def _cfg(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+@pytest.mark.parametrize("overrides, fp8", [
+    ((), False), (("rollout.kv_cache_dtype=fp8_e4m3",), True),
+    (("rollout.engine=sglang",), False), (("rollout.engine=sglang", "rollout.sglang.kv_cache_dtype=fp8_e4m3"), True),
+    (("rollout.engine=sglang", "rollout.kv_cache_dtype=fp8_e4m3"), False),  # the embedded engine's knob
+])
+def test_which_kv_cache_is_fp8(overrides, fp8):
+    assert build.fp8_kv_cache(_cfg(*overrides)) is fp8
+
+
+def test_kv_scales_sent_with_each_update():
+    unit = build.kv_scales_source(_cfg("rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.kv_scales=unit"), 3)
+    tensors = dict(unit())
+    assert len(tensors) == 6 and all(float(t) == 1.0 for t in tensors.values())  # k and v scale per layer
+    calibrated = SimpleNamespace(scales=lambda: [(2.0, 0.5)] * 3)
+    sent = dict(build.kv_scales_source(_cfg("rollout.kv_cache_dtype=fp8_e4m3"), 3, calibrated)())
+    assert sorted(float(t) for t in sent.values()) == [0.5] * 3 + [2.0] * 3
+    assert build.kv_scales_source(_cfg("rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.kv_scales=sent"), 3) is None
+    assert build.kv_scales_source(_cfg(), 3) is None
+    assert build.kv_calibration_for(_cfg("rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.kv_scales=unit"), 3, None) is None
+    assert build.kv_calibration_for(_cfg("rollout.sglang.kv_scales=calibrated"), 3, None) is None
+
+
+def test_host_wait_timeout_covers_the_longest_wait():
+    assert build.host_wait_timeout_s(_cfg("parallel.host_wait_timeout_s=42")) == 42
+    assert build.host_wait_timeout_s(_cfg()) == 7200.0
+    sg = _cfg("rollout.engine=sglang", "rollout.sglang.startup_timeout_s=100", "rollout.sglang.max_retries=2",
+              "rollout.sglang.request_timeout_s=30")
+    assert build.host_wait_timeout_s(sg) == 100 + 3 * 30 + 600
+
+
+def test_the_reward_function_of_a_run():
+    assert build.reward_name(_cfg("reward.name=exact_match")) == "exact_match"
+    from megatron_rl.data.tasks import get_task
+
+    assert build.reward_name(_cfg("data.task=sort")) == get_task("sort").reward_fn
+    assert build.reward_name(_cfg("data.task=chain")) == get_task("chain").reward_fn == "final_answer"
+    assert build.reward_name(_cfg("data.path=x.jsonl")) == "math_verify"
+
+
+def test_the_reward_runner_a_config_asks_for():
+    from megatron_rl.rewards import HttpReward
+
+    r = build.build_rewards(_cfg("reward.url=http://127.0.0.1:9/score", "reward.timeout_s=2", "reward.max_retries=1",
+                                 "reward.retry_backoff_s=0.5"))
+    try:
+        assert isinstance(r.fn, HttpReward) and r.batched
+        assert (r.fn.url, r.fn.timeout_s, r.fn.max_retries, r.fn.backoff_s) == ("http://127.0.0.1:9/score", 2, 1, 0.5)
+        assert r.timeout_s == (2 * 2 + 0.5) + 5.0  # every attempt and backoff, then 5 s
+    finally:
+        r.close()
+    r = build.build_rewards(_cfg("reward.name=exact_match", "reward.timeout_s=3"))
+    try:
+        assert (r.name, r.timeout_s, r.batched) == ("exact_match", 3, False)
+    finally:
+        r.close()
+
+
+class _Parallel(SimpleNamespace):
+    rank = 0
+
+
+def test_epochs_cap_the_steps_of_a_run(make_run):
+    run = make_run("data.num_examples=12", "data.prompts_per_step=4", "data.num_epochs=2", "train.num_steps=50")
+    assert run.cfg.train.num_steps == 6 and run.loader.batch_size == 4
+
+
+def test_a_loader_that_cannot_fill_its_batches_is_refused(tmp_path):
+    cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*BASE, f"log.dir={tmp_path}", "data.num_examples=3",
+                                                          "data.prompts_per_step=4", "data.num_epochs=1"])
+    from transformers import AutoTokenizer
+
+    from megatron_rl.loop.warmstart import prepare_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_tiny_model(cfg, tmp_path / "models"))
+    with pytest.raises(ValueError, match=r"config key 'data.prompts_per_step': 4 is not divisible by the "
+                                         r"data-parallel size 3"):
+        build.build_data(cfg, tok, _Parallel(dp_size=3))
+    with pytest.raises(ValueError, match=r"config key 'data.num_epochs': 1 epochs of 3 prompts hold no full batch "
+                                         r"of data.prompts_per_step=4"):
+        build.build_data(cfg, tok, _Parallel(dp_size=1))
+    with pytest.raises(ValueError, match=r"config key 'data.path': no such file .*nowhere.jsonl"):
+        build.build_dataset(load_config(None, [f"data.path={tmp_path / 'nowhere.jsonl'}"]).data, tok, 0)
+
+
+def _run_for_steps(*overrides: str):
+    return build.Run(_cfg(*overrides), SimpleNamespace(rank=0), None, None, None, None, None, None, None, None,
+                     SimpleNamespace(save=lambda run, step: saved.append(step), load_latest=lambda run: 7))
+
+
+saved: list[int] = []
+
+
+@pytest.mark.parametrize("every, final, steps, due", [
+    (0, False, 5, []), (2, False, 5, [1, 3]), (2, True, 5, [1, 3, 4]), (0, True, 3, [2]), (3, True, 6, [2, 5]),
+])
+def test_checkpoints_are_due_every_save_every_steps_and_at_the_end(every, final, steps, due):
+    run = _run_for_steps(f"checkpoint.save_every={every}", f"checkpoint.save_final={str(final).lower()}",
+                         f"train.num_steps={steps}")
+    assert [s for s in range(steps) if run.save_due(s)] == due
+    saved.clear()
+    for s in range(steps):
+        run.maybe_save(s)
+    assert saved == [s + 1 for s in due]  # a checkpoint is named by the updates it holds
+
+
+def test_hf_exports_are_due_every_save_hf_every_steps_and_a_resume_asks_the_checkpointer():
+    run = _run_for_steps("checkpoint.save_hf_every=3", "train.num_steps=10")
+    assert [s for s in range(10) if run.hf_export_due(s)] == [2, 5, 8]
+    assert not any(_run_for_steps().hf_export_due(s) for s in range(10))
+    assert _run_for_steps("checkpoint.resume=true").resume_step() == 7
+    assert _run_for_steps("checkpoint.resume=false").resume_step() == 0
+
+
+def test_an_hf_export_holds_the_weights_after_its_step(make_run):
+    run = make_run()
+    run.export_hf(4)
+    out = Path(run.cfg.log.dir) / "hf" / "step_000005"
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+
+
+def test_finish_publishes_the_checkpoint_then_closes_the_transport_before_the_servers(tmp_path, caplog):
+    calls = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append(name)
+
+    from megatron_rl.telemetry.logger import MetricsLogger
+
+    cfg = _cfg(f"log.dir={tmp_path}", "log.plot=true", "log.tensorboard=false", "log.progress=false")
+    logger = MetricsLogger(tmp_path, tensorboard=False, progress=False)
+    logger.log(0, {"reward/mean": 0.5, "entropy": 1.0})
+    run = build.Run(cfg, SimpleNamespace(rank=0, tp_rank=0, pp_rank=0), None, None,
+                    SimpleNamespace(settings=SimpleNamespace(params_dtype="float32")),
+                    SimpleNamespace(shutdown=rec("engine.shutdown")), SimpleNamespace(close=rec("sync.close")),
+                    SimpleNamespace(close=rec("rewards.close")), None, logger,
+                    SimpleNamespace(wait=rec("checkpointer.wait")))
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+        run.finish()
+    assert calls == ["checkpointer.wait", "sync.close", "engine.shutdown", "rewards.close"]
+    assert (tmp_path / "curves.png").is_file() and "summary" in caplog.text
+    calls.clear()
+    run.engine = None  # a rank without an engine
+    run.finish()
+    assert calls == ["checkpointer.wait", "sync.close", "rewards.close"]
+
+
+# --- SGLang: the servers a rank launches or attaches to, and the transport it feeds them with ---------
+
+
+def _sglang_cfg(tmp_path, *overrides: str):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from doubles.sglang_testing import API_KEY, SERVER_COMMAND, free_port_block
+
+    import os
+    os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
+    command = "[" + ",".join(f"'{c}'" for c in SERVER_COMMAND) + "]"
+    return load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
+                              f"rollout.sglang.server_command={command}", f"rollout.sglang.base_port={free_port_block(1)}",
+                              "rollout.sglang.startup_timeout_s=120", f"log.dir={tmp_path / 'run'}", *overrides])
+
+
+@pytest.mark.parametrize("transport", ["nccl", "disk"])
+def test_a_disaggregated_owner_launches_its_servers_and_feeds_them_by_the_configured_transport(
+        qwen2_dir, tmp_path, monkeypatch, transport):
+    from megatron_rl.sync.disk_transport import DiskTransport
+    from megatron_rl.sync.sglang_transport import SGLangNcclTransport
+
+    monkeypatch.delenv("MEGATRON_RL_LOG_DIR", raising=False)
+    cfg = _sglang_cfg(tmp_path, f"rollout.sglang.weight_transport={transport}", "sync.check=true",
+                      f"rollout.sglang.disk_dir={tmp_path / 'shared'}", "rollout.sglang.nccl_master_addr=10.0.0.7",
+                      "rollout.sglang.nccl_master_port=29777")
+    engine, sender = build.build_sglang(cfg, qwen2_dir)
+    try:
+        assert sender.engine is engine and len(engine.servers) == 1
+        assert engine.cfg.server_urls == [] and engine.cfg.base_port == cfg.rollout.sglang.base_port
+        if transport == "nccl":
+            assert type(sender) is SGLangNcclTransport and sender.checked.check
+            assert (sender.master_addr, sender.master_port, sender.backend) == ("10.0.0.7", 29777, "gloo")
+        else:
+            assert type(sender) is DiskTransport and sender.root == tmp_path / "shared"
+            assert sender.template_dir == Path(qwen2_dir)
+        logs = tmp_path / "run" / "sglang" / cfg.rollout.sglang.host  # one folder per host
+        assert logs.is_dir() and list(logs.iterdir())
+    finally:
+        engine.shutdown()
+
+
+def test_a_colocated_client_attaches_to_its_hosts_servers_and_sends_nothing(qwen2_dir, tmp_path, monkeypatch):
+    from megatron_rl.cluster.placement import placement_for_config
+
+    owner_cfg = _sglang_cfg(tmp_path, "rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=disk",
+                            f"rollout.sglang.disk_dir={tmp_path / 'shared'}")
+    monkeypatch.setenv("MEGATRON_RL_LOG_DIR", str(tmp_path / "logs"))
+    placement = placement_for_config(owner_cfg, [owner_cfg.rollout.sglang.host], 2)  # 2 ranks, one server each
+    owner = client = None
+    try:
+        owner, sender = build.build_sglang(owner_cfg, qwen2_dir, placement, 0)
+        assert sender is not None and len(owner.servers) == 2
+        assert (tmp_path / "logs" / owner_cfg.rollout.sglang.host).is_dir()
+        client, nothing = build.build_sglang(owner_cfg, qwen2_dir, placement, 1)
+        assert nothing is None
+        assert [s.url for s in client.servers] == placement.servers_for(1)
+    finally:
+        for e in (client, owner):
+            if e is not None:
+                e.shutdown()
