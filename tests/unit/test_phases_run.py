@@ -9,6 +9,7 @@ numbers and knobs on their own, in a second or two each.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -343,13 +344,12 @@ def test_rollout_logprobs_can_be_the_old_ones_and_a_nonfinite_one_skips_the_step
     assert metrics["guard/nonfinite_logprobs"] == 3.0 and metrics["step/skipped"] == 1.0
 
 
-def _k3(old: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    d = ref - old
-    return torch.exp(d) - d - 1
+def _k2(old: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (ref - old) ** 2
 
 
 def test_reference_kl_is_measured_against_the_frozen_initial_weights(make_run):
-    run = make_run("algo.kl_loss_coef=0.1", "algo.kl_loss_type=k3", "algo.ref_precision=train", "train.lr=1e-2")
+    run = make_run("algo.kl_loss_coef=0.1", "algo.kl_loss_type=k2", "algo.ref_precision=train", "train.lr=1e-2")
     batch, metrics = _rollout_batch(run)
     phases.prepare(run, batch, 0, metrics)
     assert metrics["kl/ref_mean"] == 0.0  # before any update the actor is the reference
@@ -359,10 +359,58 @@ def test_reference_kl_is_measured_against_the_frozen_initial_weights(make_run):
     rows, on = batch["tokens"].shape[0], batch["loss_mask"] > 0
     ref = run.ref.compute_logprobs(batch, micro_batch_size=rows, with_entropy=False, fp8=True)["logprobs"]
     torch.testing.assert_close(out["ref_logprobs"][on], ref[on])
-    expected = float(_k3(out["old_logprobs"][on], ref[on]).double().mean())
+    expected = float(_k2(out["old_logprobs"][on], ref[on]).double().mean())
     assert expected > 1e-6
     assert metrics["kl/ref_mean"] == pytest.approx(expected, rel=1e-4)
-    assert metrics["time/ref_logprobs"] > 0 and "kl/reward_penalty" not in metrics
+    assert 0 < metrics["time/ref_logprobs"] < 60 and "kl/reward_penalty" not in metrics
+
+
+def test_the_reference_pass_runs_inside_the_memory_protocols_window(make_run):
+    run = make_run("algo.kl_loss_coef=0.1")
+    events, real = [], run.ref.compute_logprobs
+
+    class Memory:
+        @contextlib.contextmanager
+        def reference_on_device(self):
+            events.append("in")
+            yield
+            events.append("out")
+
+    def compute_logprobs(*a, **kw):
+        events.append("reference forward")
+        return real(*a, **kw)
+    run.ref.compute_logprobs = compute_logprobs
+    batch, metrics = _rollout_batch(run)
+    phases.prepare(run, batch, 0, metrics, Memory())
+    assert events == ["in", "reference forward", "out"]
+
+
+def _rpp(rewards: torch.Tensor, counts: torch.Tensor, n: int = N) -> torch.Tensor:
+    """REINFORCE++ baseline by hand: group-centred rewards whitened over response tokens (unbiased)."""
+    centred = [float(r) - sum(float(x) for x in rewards[g // n * n:g // n * n + n]) / n for g, r in enumerate(rewards)]
+    tokens = [c for c, k in zip(centred, counts.tolist()) for _ in range(int(k))]
+    mean = sum(tokens) / len(tokens)
+    var = sum((t - mean) ** 2 for t in tokens) / (len(tokens) - 1)
+    return torch.tensor([(c - mean) / math.sqrt(var + 1e-8) for c in centred])
+
+
+def test_kl_in_reward_whitens_the_kept_rows_only_and_leaves_the_padding_at_zero(make_run):
+    run = make_run("algo.kl_reward_coef=0.5", "algo.kl_reward_type=k2", "algo.ref_precision=bf16",
+                   "algo.advantage_estimator=reinforce_plus_plus_baseline", "algo.dynamic_sampling=true")
+    dropped = _round(_samples(10), [1.0, 1.0, 1.0, 1.0], [False] * 4)
+    kept = _round(_samples(20), [1.0, 0.0, 0.0, 1.0], [True] * 4)
+    batch = phases._kept_batch(run, [dropped, kept], taken=[0, 1], most=2)  # 4 kept rows, then 4 masked
+    metrics = {}
+    out = phases.prepare(run, batch, 0, metrics)
+    on = out["loss_mask"]
+    penalty = 0.5 * (_k2(out["old_logprobs"], out["ref_logprobs"]) * on).sum(-1)[:N]  # coef x sum of k2
+    assert penalty.min() > 0  # FP8 against BF16: every kept row pays something
+    counts = on.sum(-1)[:N]
+    assert counts.tolist() == [1.0, 2.0, 3.0, 4.0]
+    expected = _rpp(torch.tensor([1.0, 0.0, 0.0, 1.0]) - penalty, counts)
+    torch.testing.assert_close(per_row(out, "advantages")[:N], expected, rtol=1e-4, atol=1e-4)
+    assert out["advantages"][N:].abs().sum() == 0 and torch.isfinite(out["advantages"]).all()
+    assert metrics["kl/reward_penalty"] == pytest.approx(float(penalty.double().mean()), rel=1e-4)
 
 
 def test_kl_in_reward_takes_the_penalty_off_each_reward_before_the_advantages(make_run):
@@ -419,7 +467,7 @@ def test_skipped_updates_are_counted(make_run):
 
 
 def test_a_calibration_step_calibrates_on_its_last_mini_batch_and_dumps_what_it_used(make_run, tmp_path):
-    dump = tmp_path / "calib"
+    dump = tmp_path / "not" / "yet" / "calib"  # made, parents and all
     run = make_run("calib.period=2", f"calib.dump_dir={dump}", "train.num_mini_batches=2", "train.lr=1e-2")
     batch, metrics = _rollout_batch(run, 2)
     batch = phases.prepare(run, batch, 2, metrics)
@@ -431,6 +479,9 @@ def test_a_calibration_step_calibrates_on_its_last_mini_batch_and_dumps_what_it_
     assert (out["calib/low"], out["calib/high"]) == run.controller.bounds
     saved = torch.load(dump / "calib_000002.pt", weights_only=False)
     assert saved["step"] == 2 and saved["bounds"] == run.controller.bounds
+    hist = run.controller.new_histogram()
+    assert (saved["eps_low"], saved["eps_high"], saved["num_bins"], saved["log_ratio_range"]) == (
+        hist.eps_low, hist.eps_high, hist.num_bins, hist.log_ratio_range)
     last = calls[-1]["batch"]
     assert len(saved["micro_batches"]) == 2  # the last mini-batch's 8 rows, 4 per micro-batch
     assert list(saved["input_names"]) == list(phases.HIST_INPUTS)
@@ -441,10 +492,13 @@ def test_a_calibration_step_calibrates_on_its_last_mini_batch_and_dumps_what_it_
         torch.testing.assert_close(inputs[key], last[key][:, :width])
     torch.testing.assert_close(saved["local_payload"], saved["payload"])  # one rank: nothing to add
     assert saved["algo"]["use_tis"] is True and saved["algo"]["level"] == "token"
-    # the next step does not calibrate: no shadow pass, no dump
+    # the next step does not calibrate: no shadow pass, no dump; the one after dumps into the same folder
     batch, metrics = _rollout_batch(run, 3)
     out = phases.update_policy(run, phases.prepare(run, batch, 3, metrics), 3)
     assert not [k for k in out if k.startswith("shadow/")] and not (dump / "calib_000003.pt").exists()
+    batch, metrics = _rollout_batch(run, 4)
+    phases.update_policy(run, phases.prepare(run, batch, 4, metrics), 4)
+    assert sorted(p.name for p in dump.iterdir()) == ["calib_000002.pt", "calib_000004.pt"]
 
 
 def test_diagnose_only_logs_what_calibration_would_set_and_keeps_the_default_bounds(make_run):
@@ -480,3 +534,22 @@ def test_samples_are_dumped_with_their_rewards_and_advantages_on_the_steps_asked
         assert (r["response"], r["answer"], r["prompt"]) == (texts[i], prompts[0].answer, prompts[0].prompt_text)
         assert r["reward"] == pytest.approx(float(rewards[i])) and r["advantage"] == pytest.approx(float(advantages[i]), abs=1e-5)
         assert (r["response_length"], r["finish_reason"]) == (len(samples[i].response_ids), samples[i].finish_reason)
+
+
+def test_a_dump_of_a_dynamic_sampling_round_has_the_components_and_whitened_advantages(make_run):
+    run = make_run("log.dump_samples_num=8", "algo.advantage_estimator=reinforce_plus_plus_baseline")
+    prompts = run.loader.next_batch()[:2]
+    first = _round(_samples(10) + _samples(20), [1.0] * 4 + [1.0, 0.0, 0.0, 1.0], [False] * 4 + [True] * 4)
+    for s_ in first.samples[N:]:
+        s_.prompt_index = 1
+    first.prompts = prompts
+    first.components = {"reward/length": [float(i) for i in range(8)]}
+    phases._dump_samples(run, 5, first)
+    records = [json.loads(line) for line in (Path(run.cfg.log.dir) / "samples" / "step_000005.jsonl").read_text().splitlines()]
+    counts = torch.tensor([0.0] * 4 + [1.0, 2.0, 3.0, 4.0])  # a dropped group counts no tokens
+    expected = _rpp(torch.tensor([1.0] * 4 + [1.0, 0.0, 0.0, 1.0]), counts)
+    assert [r["advantage"] for r in records] == pytest.approx(expected.tolist(), abs=1e-5)
+    assert [r["reward/length"] for r in records] == [float(i) for i in range(8)]
+    assert sorted(records[0]) == sorted(["index", "prompt", "response", "answer", "reward", "reward/length",
+                                         "advantage", "response_length", "finish_reason"])
+    assert [r["answer"] for r in records] == [prompts[0].answer] * 4 + [prompts[1].answer] * 4
