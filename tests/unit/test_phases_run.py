@@ -491,7 +491,9 @@ def test_a_calibration_step_calibrates_on_its_last_mini_batch_and_dumps_what_it_
     for key in ("loss_mask", "advantages", "old_logprobs", "rollout_logprobs"):
         torch.testing.assert_close(inputs[key], last[key][:, :width])
     torch.testing.assert_close(saved["local_payload"], saved["payload"])  # one rank: nothing to add
-    assert saved["algo"]["use_tis"] is True and saved["algo"]["level"] == "token"
+    a = run.cfg.algo
+    assert saved["algo"] == {"use_tis": True, "tis_mode": a.tis_mode, "tis_clip": 2.0,
+                             "loss_agg_mode": a.loss_agg_mode, "level": "token"}
     # the next step does not calibrate: no shadow pass, no dump; the one after dumps into the same folder
     batch, metrics = _rollout_batch(run, 3)
     out = phases.update_policy(run, phases.prepare(run, batch, 3, metrics), 3)
