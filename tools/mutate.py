@@ -84,7 +84,7 @@ MODULES: dict[str, list[str]] = {
 
 
 # module -> {function: tests that reach it only in processes they spawn (gloo ranks, torchrun)}; "*"
-# stands for the module's other functions. mutmut maps a test to the functions it saw called in its
+# stands for the module's other functions (without it, the functions not named are not rerun). mutmut maps a test to the functions it saw called in its
 # own process, so these functions would be "no tests", or tested only by a one-process shortcut;
 # after the ordinary run, each mutant that survived it or had no test is run again with its
 # function's spawned tests added.
@@ -101,6 +101,11 @@ SPAWNED: dict[str, dict[str, list[str]]] = {
     },
 }
 SPAWNED["megatron_rl/collectives.py"]["gloo_subgroup"] = SPAWNED["megatron_rl/collectives.py"]["make_host_groups"]
+# The phases' data-parallel reductions (a one-process run reduces nothing): DP=2 against one process.
+SPAWNED["megatron_rl/loop/phases.py"] = {
+    name: ["tests/dist/test_phases_dp.py"]
+    for name in ("update_policy", "_denominator", "_reduced_means", "_reduce_sum", "_reference", "_kl_in_reward",
+                 "_calibrate", "_length_metrics", "_rollout_metrics", "_component_means", "_count_nonfinite")}
 SPAWNED_TEST_S = 30.0  # a spawned test's time as mutmut's timeout sees it (the 4-rank one: about 10 s)
 
 
@@ -153,7 +158,8 @@ def _run_spawned(work: Path, env: dict, spawned: dict[str, list[str]], statuses:
                  max_children: int, timeout_s: float) -> dict[str, str]:
     """Add each function's spawned tests to mutmut's map for the mutants that had no test or
     survived, and rerun those mutants."""
-    orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived"))
+    orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived")
+                     and (_plain_name(name.partition("__mutmut_")[0]) in spawned or "*" in spawned))
     if not orphans:
         return statuses
     stats_path = work / "mutants" / "mutmut-stats.json"
