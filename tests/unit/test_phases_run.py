@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -595,3 +596,65 @@ def test_the_last_mini_batch_calibrates_and_the_chunk_size_reaches_the_trainer(m
     phases.update_policy(run, batch, 0)
     assert ["ratio_ref" in c["batch"] for c in calls] == [False, False, True]
     assert {c["logprob_chunk_size"] for c in calls} == {3}
+
+
+def test_packed_micro_batches_give_the_padded_log_probs_back_in_the_batch_layout(make_run):
+    run = make_run("train.max_tokens_per_micro_batch=96")
+    batch, metrics = _rollout_batch(run)
+    out = phases.prepare(run, batch, 0, metrics)
+    rows, on = batch["tokens"].shape[0], batch["loss_mask"] > 0
+    padded = run.actor.compute_logprobs(batch, micro_batch_size=rows, with_entropy=False, fp8=True)["logprobs"]
+    assert out["old_logprobs"].shape == batch["tokens"].shape
+    torch.testing.assert_close(out["old_logprobs"][on], padded[on], rtol=1e-5, atol=1e-5)
+    assert 0 < metrics["time/old_logprobs"] < 60
+
+
+def test_the_old_log_prob_pass_records_the_kv_amax_of_a_calibrated_fp8_kv_cache(make_run):
+    run = make_run("rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.kv_scales=calibrated")
+    before = run.kv_calibration.amax.clone()
+    batch, metrics = _rollout_batch(run)
+    phases.prepare(run, batch, 0, metrics)
+    after = run.kv_calibration.amax
+    assert not torch.equal(before, after) and bool((after < before).all())  # measured, below E4M3's max
+
+
+def test_the_bf16_shadow_ratio_is_one_at_theta_old(make_run, tmp_path):
+    """One mini-batch: the calibration mini-batch trains at theta_old, so its BF16 ratio is exactly 1
+    on every token (masked ones: exp(0)); an FP8 forward or a wrong sign would move it."""
+    run = make_run("train.num_mini_batches=1", "calib.period=1", f"calib.dump_dir={tmp_path / 'dump'}")
+    batch, metrics = _rollout_batch(run)
+    phases.update_policy(run, phases.prepare(run, batch, 0, metrics), 0)
+    saved = torch.load(tmp_path / "dump" / "calib_000000.pt", weights_only=False)
+    names = list(saved["input_names"])
+    for mb in saved["micro_batches"]:
+        assert torch.equal(mb[names.index("ratio_ref")], torch.ones_like(mb[0]))
+
+
+def _calibration_out(**flags) -> dict:
+    out = {"calib/skipped": 0.0, "calib/skipped_empty": 0.0, "calib/skipped_crossed": 0.0,
+           "calib/high_unattainable": 0.0, "calib/high_edge": 0.0, "calib/high_no_bf16_upper_clip": 0.0,
+           "calib/high_undefined": 0.0, "calib/low_edge": 0.0}
+    out.update({f"calib/{k}": v for k, v in flags.items()})
+    return out
+
+
+def test_a_skipped_calibration_warns_with_its_reason_and_a_kept_bound_is_named(make_run, caplog):
+    run = make_run(sync=False)
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.phases"):
+        phases._log_calibration(run, _calibration_out(skipped=1.0, skipped_crossed=1.0), 7)
+        phases._log_calibration(run, _calibration_out(high_edge=1.0, low_edge=1.0, high_undefined=1.0), 8)
+        phases._log_calibration(run, _calibration_out(), 9)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "step 7: calibration skipped (calib/skipped_crossed); bounds kept, retried next step"),
+        ("INFO", "step 8: previous bound kept (high_edge, high_undefined, low_edge)")]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.phases"):
+        for name in ("high_unattainable", "high_no_bf16_upper_clip"):
+            phases._log_calibration(run, _calibration_out(**{name: 1.0}), 3)
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 3: previous bound kept (high_unattainable)", "step 3: previous bound kept (high_no_bf16_upper_clip)"]
+
+
+def test_one_model_parallel_rank_has_nothing_to_compare(make_run):
+    run = make_run(sync=False)
+    phases.assert_same_across_model_parallel((0.8, 1.2), run.parallel)  # TP = PP = 1: no collective
