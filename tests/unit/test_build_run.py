@@ -45,6 +45,7 @@ def make_run(tmp_path):
 
 def test_the_embedded_engine_gets_the_rollout_precision_of_the_config(make_run):
     run = make_run("precision.rollout_quant=fp8_blockwise", "precision.weight_block_size=[32,32]",
+                   "precision.high_precision=[lm_head,norm]",
                    "precision.scale_format=ue8m0", "rollout.kv_cache_dtype=fp8_e4m3", "train.seed=11")
     from megatron_rl.rollout.torch_engine import TorchRolloutEngine
     from megatron_rl.sync.transport import InProcessTransport
@@ -53,6 +54,7 @@ def test_the_embedded_engine_gets_the_rollout_precision_of_the_config(make_run):
     assert type(e) is TorchRolloutEngine and type(run.sync.transport) is InProcessTransport
     assert run.sync.transport.engine is e
     assert (e.rollout_quant, e.weight_block_size, e.scale_format) == ("fp8_blockwise", (32, 32), "ue8m0")
+    assert e.high_precision == ("lm_head", "norm")
     assert e.kv_scales == [[1.0, 1.0]]  # the FP8 KV cache's unit scales, one layer
     assert e._generator.initial_seed() == 11
     assert run.is_engine_rank and run.is_log_rank and run.host_groups is not None
@@ -122,10 +124,15 @@ def test_the_reference_is_a_frozen_copy_of_the_initial_weights(make_run, ref_pre
         assert torch.equal(p.detach().float(), q.detach().float()), name
 
 
-def test_planted_outliers_reach_the_actor_and_the_reference_alike(make_run):
+def test_planted_outliers_reach_the_actor_and_the_reference_alike(make_run, caplog):
     run = make_run("model.outlier_channels=2", "model.outlier_scale=8", "algo.kl_loss_coef=0.1")
     before = [p.detach().clone() for p in run.actor.model[0].parameters()]
-    run.plant_outliers()
+    channels, real = [], run.actor.plant_outliers
+    run.actor.plant_outliers = lambda *a, **k: channels.extend(real(*a, **k)) or channels
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+        run.plant_outliers()
+    assert len(channels) == 2
+    assert f"planted activation outliers x8 in hidden channels {channels}" in caplog.messages
     after = list(run.actor.model[0].parameters())
     assert any(not torch.equal(b, a.detach()) for b, a in zip(before, after))
     for p, q in zip(run.actor.model[0].parameters(), run.ref.model[0].parameters()):
@@ -239,8 +246,11 @@ def test_a_loader_that_cannot_fill_its_batches_is_refused(tmp_path):
 
 
 def _run_for_steps(*overrides: str):
-    return build.Run(_cfg(*overrides), SimpleNamespace(rank=0), None, None, None, None, None, None, None, None,
-                     SimpleNamespace(save=lambda run, step: saved.append(step), load_latest=lambda run: 7))
+    """A Run whose checkpointer records what it is asked (it must be handed the run itself)."""
+    run = build.Run(_cfg(*overrides), SimpleNamespace(rank=0), None, None, None, None, None, None, None, None, None)
+    run.checkpointer = SimpleNamespace(save=lambda r, step: saved.append(step) if r is run else saved.append(None),
+                                       load_latest=lambda r: 7 if r is run else None)
+    return run
 
 
 saved: list[int] = []
@@ -293,7 +303,9 @@ def test_finish_publishes_the_checkpoint_then_closes_the_transport_before_the_se
     with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
         run.finish()
     assert calls == ["checkpointer.wait", "sync.close", "engine.shutdown", "rewards.close"]
-    assert (tmp_path / "curves.png").is_file() and "summary" in caplog.text
+    assert (tmp_path / "curves.png").is_file()
+    assert f"summary\n{logger.summary()}" in caplog.messages and logger.summary()
+    assert f"curves written to {tmp_path / 'curves.png'}" in caplog.messages
     calls.clear()
     run.engine = None  # a rank without an engine
     run.finish()
@@ -325,7 +337,7 @@ def test_a_disaggregated_owner_launches_its_servers_and_feeds_them_by_the_config
     cfg = _sglang_cfg(tmp_path, f"rollout.sglang.weight_transport={transport}", "sync.check=true",
                       f"rollout.sglang.disk_dir={tmp_path / 'shared'}", "rollout.sglang.nccl_master_addr=10.0.0.7",
                       "rollout.sglang.nccl_master_port=29777")
-    engine, sender = build.build_sglang(cfg, qwen2_dir)
+    engine, sender = build.build_engine(cfg, qwen2_dir)  # rollout.engine=sglang
     try:
         assert sender.engine is engine and len(engine.servers) == 1
         assert engine.cfg.server_urls == [] and engine.cfg.base_port == cfg.rollout.sglang.base_port
@@ -353,10 +365,36 @@ def test_a_colocated_client_attaches_to_its_hosts_servers_and_sends_nothing(qwen
         owner, sender = build.build_sglang(owner_cfg, qwen2_dir, placement, 0)
         assert sender is not None and len(owner.servers) == 2
         assert (tmp_path / "logs" / owner_cfg.rollout.sglang.host).is_dir()
-        client, nothing = build.build_sglang(owner_cfg, qwen2_dir, placement, 1)
+        client, nothing = build.build_engine(owner_cfg, qwen2_dir, placement, 1)
         assert nothing is None
         assert [s.url for s in client.servers] == placement.servers_for(1)
     finally:
         for e in (client, owner):
             if e is not None:
                 e.shutdown()
+
+
+@pytest.mark.parametrize("plot, history, calib, title", [
+    (True, True, True, "blockwise params=float32 calib=on"), (True, True, False, "blockwise params=float32 calib=off"),
+    (False, True, True, None), (True, False, True, None)])
+def test_curves_are_drawn_when_asked_and_there_is_something_to_draw(tmp_path, monkeypatch, plot, history, calib, title):
+    from megatron_rl.telemetry import plotting
+    from megatron_rl.telemetry.logger import MetricsLogger
+
+    drawn = []
+    monkeypatch.setattr(plotting, "plot_runs", lambda runs, path, title: drawn.append((list(runs), path, title)) or path)
+    cfg = _cfg(f"log.dir={tmp_path / 'myrun'}", f"log.plot={str(plot).lower()}", "precision.train_recipe=blockwise",
+               f"calib.enabled={str(calib).lower()}")
+    logger = MetricsLogger(tmp_path / "myrun", tensorboard=False, progress=False)
+    if history:
+        logger.log(0, {"reward/mean": 0.5})
+    nothing = SimpleNamespace(close=lambda: None, wait=lambda: None, shutdown=lambda: None)
+    build.Run(cfg, SimpleNamespace(rank=0, tp_rank=0, pp_rank=0), None, None,
+              SimpleNamespace(settings=SimpleNamespace(params_dtype="float32")), None, nothing, nothing, None, logger,
+              nothing).finish()
+    assert drawn == ([] if title is None else [(["myrun"], tmp_path / "myrun" / "curves.png", title)])
+
+
+def test_the_fp8_recipe_of_the_config():
+    recipe = build.build_fp8_recipe(_cfg("precision.train_recipe=delayed", "precision.amax_history_len=7"))
+    assert recipe.amax_history_len == 7 and recipe.enabled
