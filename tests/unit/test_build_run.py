@@ -398,3 +398,35 @@ def test_curves_are_drawn_when_asked_and_there_is_something_to_draw(tmp_path, mo
 def test_the_fp8_recipe_of_the_config():
     recipe = build.build_fp8_recipe(_cfg("precision.train_recipe=delayed", "precision.amax_history_len=7"))
     assert recipe.amax_history_len == 7 and recipe.enabled
+
+
+def test_a_rank_on_another_node_than_the_plan_says_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGATRON_RL_HOSTS", "node-a")
+    monkeypatch.setenv("MEGATRON_RL_GPUS_PER_NODE", "1")
+    monkeypatch.setenv("SLURMD_NODENAME", "node-b")
+    one = SimpleNamespace(world_size=1, rank=0)
+    with pytest.raises(ValueError) as err:
+        build.build_rollout(_cfg(f"log.dir={tmp_path}"), tmp_path, one)
+    assert str(err.value) == ("rank 0 runs on node node-b but the placement plan puts it on node-a "
+                              "(torchrun's --node-rank must follow the plan's host order)")
+
+
+def test_the_embedded_engine_runs_under_the_plan_whatever_the_sglang_mode(make_run, caplog):
+    run = make_run("rollout.sglang.mode=disaggregated")  # ignored by the embedded engine
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+        engine, transport, placement = build.build_rollout(run.cfg, Path(run.engine.stop_tokenizer_source),
+                                                           SimpleNamespace(world_size=1, rank=0))
+    assert placement is not None and placement.layout == "embedded" and placement.is_owner(0)
+    assert transport.engine is engine and engine is not run.engine
+    engine.shutdown()
+
+
+def test_one_process_without_a_plan_owns_the_disaggregated_servers_it_lists(qwen2_dir, tmp_path, monkeypatch):
+    for var in ("MEGATRON_RL_HOSTS", "SLURMD_NODENAME", "MEGATRON_RL_LOG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _sglang_cfg(tmp_path, "rollout.sglang.weight_transport=disk", f"rollout.sglang.disk_dir={tmp_path / 'w'}")
+    engine, transport, placement = build.build_rollout(cfg, qwen2_dir, SimpleNamespace(world_size=1, rank=0))
+    try:
+        assert placement is None and transport.engine is engine and len(engine.servers) == 1
+    finally:
+        engine.shutdown()
