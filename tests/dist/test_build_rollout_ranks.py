@@ -1,0 +1,62 @@
+"""build_rollout on 2 real gloo ranks of one host, colocated SGLang (server doubles): the owner
+converts the rollout checkpoint once and starts the host's servers, both ranks wait on the gloo
+world, then the other rank attaches to those servers as a client and owns no transport."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from _launch import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from doubles.sglang_testing import API_KEY, SERVER_COMMAND, free_port_block  # noqa: E402
+
+
+def _worker(rank: int, world_size: int, model_dir: str, log_dir: str, port: int) -> dict:
+    import torch.distributed as dist
+
+    from megatron_rl.config import load_config
+    from megatron_rl.loop import build
+    from megatron_rl.rollout import sglang_checkpoint
+
+    os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
+    dist.init_process_group("gloo")
+    conversions = []
+    real = sglang_checkpoint.rollout_checkpoint
+
+    def counted(cfg, path):  # who converts, and whether the owner's servers find the result
+        conversions.append(rank)
+        return real(cfg, path)
+    sglang_checkpoint.rollout_checkpoint = counted
+    command = "[" + ",".join(f"'{c}'" for c in SERVER_COMMAND) + "]"
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=disk",
+                             f"rollout.sglang.disk_dir={log_dir}/weights", f"rollout.sglang.server_command={command}",
+                             f"rollout.sglang.base_port={port}", "rollout.sglang.startup_timeout_s=120",
+                             f"log.dir={log_dir}"])
+    groups = SimpleNamespace(world=dist.group.WORLD)
+    engine, transport, placement = build.build_rollout(cfg, Path(model_dir),
+                                                       SimpleNamespace(world_size=world_size, rank=rank), groups)
+    try:
+        out = {"role": placement.rollout_role(rank), "servers": [s.url for s in engine.servers],
+               "transport": type(transport).__name__, "conversions": conversions,
+               "launched": [s.process is not None for s in engine.servers]}
+        dist.barrier()  # the client is done with the servers before the owner stops them
+        return out
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_the_owner_starts_the_hosts_servers_and_the_other_rank_attaches(qwen2_dir, tmp_path):
+    port = free_port_block(2)
+    owner, client = run_distributed(_worker, world_size=2, args=(str(qwen2_dir), str(tmp_path), port), timeout_s=200)
+    servers = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+    assert (owner["role"], owner["transport"], owner["launched"]) == ("owner", "DiskTransport", [True, True])
+    assert sorted(owner["servers"]) == servers
+    assert (client["role"], client["transport"], client["launched"]) == ("client", "NoneType", [False, False])
+    assert client["servers"] == [servers[1], servers[0]]  # its own GPU's server first
+    assert owner["conversions"] == [0, 0] and client["conversions"] == [1]  # rank 0 converts before the owners
