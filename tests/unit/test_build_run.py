@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,7 +94,7 @@ def test_the_start_line_is_logged_and_kept_in_the_run_folder(make_run, caplog):
     placement = [r.getMessage() for r in caplog.records if r.getMessage().startswith("placement ")]
     assert len(placement) == 1
     assert json.loads(placement[0].removeprefix("placement ")) == {
-        "rank": 0, "host": run.cfg.rollout.sglang.host, "pid": __import__("os").getpid(), "local_rank": 0,
+        "rank": 0, "host": run.cfg.rollout.sglang.host, "pid": os.getpid(), "local_rank": 0,
         "role": "owner", "owned_servers": [], "servers": []}
 
 
@@ -319,7 +320,6 @@ def _sglang_cfg(tmp_path, *overrides: str):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from doubles.sglang_testing import API_KEY, SERVER_COMMAND, free_port_block
 
-    import os
     os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
     command = "[" + ",".join(f"'{c}'" for c in SERVER_COMMAND) + "]"
     return load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
