@@ -107,7 +107,8 @@ SPAWNED["megatron_rl/loop/phases.py"] = {
     for name in ("update_policy", "_denominator", "_reduced_means", "_reduce_sum", "_reference", "_kl_in_reward",
                  "_calibrate", "_length_metrics", "_rollout_metrics", "_component_means", "_count_nonfinite")}
 # build_rollout's placement path with more than one rank: owner and client on one host.
-SPAWNED["megatron_rl/loop/build.py"] = {"build_rollout": ["tests/dist/test_build_rollout_ranks.py"]}
+SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ranks.py"]
+                                       for name in ("build_rollout", "wire_ipc_gather")}
 SPAWNED["megatron_rl/loop/phases.py"].update({
     "assert_same_across_model_parallel": ["tests/dist/test_calib_model_parallel.py"],  # TP=2 ranks
     "_histogram_payload": ["tests/e2e/test_calib_dump.py"],  # rebuilt by hand from a run's dump (a subprocess)

@@ -44,6 +44,18 @@ def _worker(rank: int, world_size: int, model_dir: str, log_dir: str, port: int)
         out = {"role": placement.rollout_role(rank), "servers": [s.url for s in engine.servers],
                "transport": type(transport).__name__, "conversions": conversions,
                "launched": [s.process is not None for s in engine.servers]}
+        # colocated tensor transport (CUDA IPC on a GPU): the host's ranks gather to the owner
+        tensor = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=colocated",
+                                    "rollout.sglang.weight_transport=tensor"])
+        ranks = SimpleNamespace(world_size=world_size, rank=rank, pp_size=1)
+        sink = SimpleNamespace(gather=None)
+        peer = build.wire_ipc_gather(tensor, placement, ranks, groups, sink)
+        out.update(peer=getattr(peer, "__name__", type(peer).__name__), gather=type(sink.gather).__name__,
+                   gather_src=getattr(sink.gather, "src", None))
+        untouched = SimpleNamespace(gather=None)  # disk transport, or PP > 1 stages: nothing wired
+        out["not_wired"] = [build.wire_ipc_gather(c, placement, p, groups, untouched) is None and untouched.gather is None
+                            for c, p in ((cfg, ranks), (tensor, SimpleNamespace(world_size=world_size, rank=rank,
+                                                                                 pp_size=2)))]
         dist.barrier()  # the client is done with the servers before the owner stops them
         return out
     finally:
@@ -60,3 +72,6 @@ def test_the_owner_starts_the_hosts_servers_and_the_other_rank_attaches(qwen2_di
     assert (client["role"], client["transport"], client["launched"]) == ("client", "NoneType", [False, False])
     assert client["servers"] == [servers[1], servers[0]]  # its own GPU's server first
     assert owner["conversions"] == [0, 0] and client["conversions"] == [1]  # rank 0 converts before the owners
+    assert (owner["peer"], owner["gather"], owner["gather_src"]) == ("NoneType", "GlooGather", 0)
+    assert (client["peer"], client["gather"]) == ("peer", "NoneType")  # it sends its own copy to rank 0
+    assert owner["not_wired"] == client["not_wired"] == [True, True]
