@@ -112,6 +112,9 @@ SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ra
 SPAWNED["megatron_rl/loop/phases.py"].update({
     "assert_same_across_model_parallel": ["tests/dist/test_calib_model_parallel.py"],  # TP=2 ranks
     "_histogram_payload": ["tests/e2e/test_calib_dump.py"],  # rebuilt by hand from a run's dump (a subprocess)
+    # TP=2: only the engine rank samples and scores; its peer receives both (and DP=2 shards)
+    **{name: ["tests/dist/test_rl_loop_ranks.py"]
+       for name in ("_broadcast_from_engine_rank", "_score_on_engine_rank", "_sample_round", "_shard")},
 })
 SPAWNED_TEST_S = 30.0  # a spawned test's time as mutmut's timeout sees it (the 4-rank one: about 10 s)
 

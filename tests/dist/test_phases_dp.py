@@ -8,6 +8,7 @@ per-rank means is not the global mean."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,8 +26,12 @@ PER_RANK = ("time/",)
 BATCH_KEYS = ("tokens", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs")
 
 
-def varied(response: str, answer: str) -> float:
-    return sum(map(ord, response)) % 7 / 7
+def varied(response: str, answer: str) -> dict:
+    """A score that differs between almost any two texts, twice that as a component, and a component
+    that only rank 0's responses carry (the reward worker inherits its rank's environment)."""
+    score = sum(map(ord, response)) % 7 / 7
+    extra = {"only_rank0": 1.0} if os.environ.get("RANK") == "0" else {}
+    return {"score": score, "twice": 2 * score, **extra}
 
 
 def _cfg(log_dir: str):
@@ -108,7 +113,10 @@ def test_dp2_reference_and_rollout_metrics_are_over_both_ranks(ranks):
     d = (union["ref_logprobs"] - union["old_logprobs"])[on]
     expected = float((0.5 * d.square()).double().mean())  # k2 over every response token of both ranks
     assert expected > 0
-    for key in ("kl/ref_mean", "reward/mean", "reward/std", "response_length/mean", "response_length/max",
+    # reward components: means over both ranks; a name one rank lacks counts 0 there
+    assert r0["metrics"]["reward/twice"] == pytest.approx(2 * r0["metrics"]["reward/mean"], rel=1e-6)
+    assert r0["metrics"]["reward/only_rank0"] == r1["metrics"]["reward/only_rank0"] == 0.5  # equal shards of rows
+    for key in ("kl/ref_mean", "reward/mean", "reward/twice", "reward/std", "response_length/mean", "response_length/max",
                 "health/garbled_rate", "guard/nonfinite_logprobs"):
         assert r0["metrics"][key] == r1["metrics"][key], key
     assert r0["metrics"]["kl/ref_mean"] == pytest.approx(expected, rel=1e-4)
