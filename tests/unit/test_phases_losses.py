@@ -60,3 +60,42 @@ def test_sequence_calibration_histogram_has_one_entry_per_sequence():
     assert hist.scalar("tokens") == 2.0 and hist.scalar("neg_tokens") == 1.0 and hist.scalar("pos") == 3.0
     assert hist.scalar("neg") == pytest.approx(2.0 + math.exp(-1.0))
     assert "seq_log_ratio/mean" in reduce_metrics([metrics])
+
+
+@pytest.mark.parametrize("overrides, knobs", [
+    (["algo.use_tis=true", "algo.tis_mode=truncate", "algo.tis_clip=1.5", "algo.tis_clip_low=0.6",
+      "algo.eps_clip_c=2.5", "algo.kl_loss_type=k2", "algo.kl_loss_coef=0.3", "algo.entropy_coef=0.01"],
+     dict(use_tis=True, tis_mode="truncate", tis_clip=1.5, tis_clip_low=0.6, eps_clip_c=2.5, kl_loss_type="k2",
+          kl_loss_coef=0.3, entropy_coef=0.01)),
+    (["algo.use_tis=true", "algo.tis_mode=icepop", "algo.icepop_low=0.7", "algo.icepop_high=1.3"],
+     dict(use_tis=True, tis_mode="icepop", icepop_low=0.7, icepop_high=1.3)),
+    (["algo.use_tis=true", "algo.tis_level=sequence", "algo.tis_clip=1.2"],
+     dict(use_tis=True, tis_level="sequence", tis_clip=1.2)),
+    (["algo.loss_mode=dro", "algo.dro_beta=0.4", "algo.loss_agg_mode=seq-mean-token-sum", "algo.use_tis=false"],
+     dict(loss_mode="dro", dro_beta=0.4, loss_agg_mode="seq-mean-token-sum")),
+])
+def test_every_loss_knob_of_the_config_reaches_the_loss(overrides, knobs):
+    """The phase's loss equals policy_loss called with the knobs written out here (non-default values)."""
+    from megatron_rl.algo.policy_loss import policy_loss
+
+    run = _run("calib.enabled=false", "algo.eps_clip=0.25", "algo.eps_clip_high=0.3", *overrides)
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(3, 5, generator=g) - 0.5
+    logprobs = old + 0.4 * torch.randn(3, 5, generator=g)
+    mb = {"old_logprobs": old, "advantages": torch.tensor([[1.0] * 5, [-1.0] * 5, [0.5] * 5]),
+          "tokens": torch.zeros(3, 5, dtype=torch.long), "loss_mask": torch.ones(3, 5),
+          "rollout_logprobs": old + 0.3 * torch.randn(3, 5, generator=g), "ref_logprobs": old - 0.2,
+          "ratio_ref": torch.exp(logprobs - old + 0.05)}
+    entropy = torch.rand(3, 5, generator=g)
+    loss, metrics = phases._loss_fn(run, 15.0, (0.7, 1.4))(logprobs, entropy, mb)
+    want, want_metrics = policy_loss(
+        logprobs, old, mb["advantages"], mb["loss_mask"], denominator=15.0, clip_low=0.7, clip_high=1.4,
+        rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb["ref_logprobs"], entropy=entropy,
+        ratio_ref=mb["ratio_ref"], ref_clip_low=0.75, ref_clip_high=1.3, **knobs)
+    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    assert reduce_metrics([metrics]) == pytest.approx(reduce_metrics([want_metrics]), rel=1e-6, nan_ok=True)
+    # the defaults would give another loss: each knob matters on this batch
+    plain, _ = policy_loss(logprobs, old, mb["advantages"], mb["loss_mask"], denominator=15.0, clip_low=0.7,
+                           clip_high=1.4, rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb["ref_logprobs"],
+                           entropy=entropy, ratio_ref=mb["ratio_ref"], ref_clip_low=0.75, ref_clip_high=1.3)
+    assert float(plain) != pytest.approx(float(want), rel=1e-6)
