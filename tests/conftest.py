@@ -64,3 +64,24 @@ def single_parallel():
     info = init_parallel(1, 1, seed=0)
     yield info
     destroy_parallel()
+
+
+@pytest.fixture
+def parallel_restored():
+    """Leave the process's parallel state as the test found it after an in-process build_run.
+
+    build_run re-initializes Megatron's parallel_state in the default group. Where the session's
+    1-process setup (single_parallel) was live before, it gets back TP=PP=1 and seed 0, else all
+    is torn down: destroying the default group under a live single_parallel would break every
+    later test that uses it.
+    """
+    import torch.distributed as dist
+
+    from megatron_rl.actor.parallel import destroy_parallel, init_parallel
+
+    was_initialized = dist.is_initialized()
+    yield
+    if was_initialized:
+        init_parallel(1, 1, seed=0)
+    else:
+        destroy_parallel()

@@ -17,7 +17,6 @@ import pytest
 import torch
 import transformers  # noqa: F401
 
-from megatron_rl.actor.parallel import destroy_parallel
 from megatron_rl.config import load_config
 from megatron_rl.loop import build
 
@@ -28,7 +27,7 @@ BASE = [*TINY, "train.sft_steps=0", "train.colocated_protocol=false", "model.tin
 
 
 @pytest.fixture
-def make_run(tmp_path):
+def make_run(tmp_path, parallel_restored):
     """make_run(*overrides) -> build_run of the tiny fp8_calibrated config (finished afterwards)."""
     runs = []
 
@@ -41,7 +40,6 @@ def make_run(tmp_path):
     yield make
     for run in runs:
         run.finish()
-    destroy_parallel()
 
 
 def test_the_embedded_engine_gets_the_rollout_precision_of_the_config(make_run):

@@ -21,7 +21,6 @@ import pytest
 import torch
 import transformers  # noqa: F401
 
-from megatron_rl.actor.parallel import destroy_parallel
 from megatron_rl.config import load_config
 from megatron_rl.data.tasks import get_task
 from megatron_rl.loop import build, phases
@@ -40,7 +39,7 @@ BASE = [*TINY, "train.sft_steps=0", "train.colocated_protocol=false", "model.tin
 
 
 @pytest.fixture
-def make_run(tmp_path):
+def make_run(tmp_path, parallel_restored):
     """make_run(*overrides) -> a built Run on the tiny fp8_calibrated config, its engine synced."""
     runs = []
 
@@ -56,7 +55,6 @@ def make_run(tmp_path):
     yield make
     for run in runs:
         run.finish()
-    destroy_parallel()
 
 
 def spy_engine(run) -> list[tuple]:
