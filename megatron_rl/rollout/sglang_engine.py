@@ -99,6 +99,15 @@ class SGLangEngine(RolloutEngine):
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
+        """Launch what this process owns and wait for every server (and the router); on any failure,
+        stop what was launched before raising: a failed start leaves no server holding its GPU."""
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self) -> None:
         for s in self.servers:
             if s.process is not None:
                 s.process.start()

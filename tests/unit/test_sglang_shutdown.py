@@ -42,3 +42,24 @@ def test_a_server_that_exits_at_startup_is_named_with_the_end_of_its_log(tmp_pat
     assert "http://127.0.0.1:9 exited during startup (exit code 3)" in message and str(log) in message
     assert message.endswith("OSError: [Errno 98] address in use")  # the last 20 lines, in order
     assert "line 11" in message and "line 10\n" not in message
+
+
+@pytest.mark.parametrize("how", ["never_healthy", "first_exits"])
+def test_a_failed_start_stops_every_server_it_launched(how, tmp_path):
+    """A server that never answers /health (or one that exits while the other is still starting)
+    fails the start; every process the engine launched is stopped, none left holding its GPU."""
+    import sys
+
+    from sglang_testing import free_port_block
+
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(300)"]
+    exits = [sys.executable, "-c", "import sys; sys.exit(4)"]
+    cfg = SGLangConfig(num_servers=2, base_port=free_port_block(2), startup_timeout_s=1.0)
+    argv_fn = (lambda port, gpu: sleep) if how == "never_healthy" else (lambda port, gpu: exits if gpu == 0 else sleep)
+    engine = SGLangEngine(cfg, tmp_path, log_dir=tmp_path, argv_fn=argv_fn, start=False)
+    with pytest.raises(RuntimeError, match="not healthy after 1 s" if how == "never_healthy" else "exited during startup"):
+        engine.start()
+    assert [s.process.proc.poll() is not None for s in engine.servers] == [True, True]
