@@ -117,3 +117,8 @@ def test_a_dead_server_is_unavailable_not_an_http_error():
         with pytest.raises(ServerUnavailable, match=f"127.0.0.1:{port}/health"):
             client.get("/health")
         assert client.healthy() is False
+
+
+def test_only_trailing_slashes_are_cut_from_the_url():
+    assert SGLangClient("http://node-X:30000//", "k").url == "http://node-X:30000"
+    assert SGLangClient("http://gpu-node-X", "k").url == "http://gpu-node-X"  # a host name that ends in X
