@@ -261,6 +261,24 @@ def test_the_kept_batch_trains_the_kept_groups_and_pads_with_masked_rows(make_ru
     run.cfg.algo.kl_reward_coef = 0.1
     batch = phases._kept_batch(run, [dropped, kept], taken=[0, 1], most=2)
     assert batch["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    first = _round(_samples(30), [0.0, 1.0, 1.0, 1.0], [True] * 4)
+    batch = phases._kept_batch(run, [first, kept], taken=[1, 1], most=2)  # one group from each round
+    assert [int(row[2]) for row in batch["tokens"]] == [30, 31, 32, 33, 20, 21, 22, 23]
+    assert batch["rewards"].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_each_group_estimator_gives_its_own_advantages(make_run, estimator):
+    run = make_run(f"algo.advantage_estimator={estimator}", sync=False)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 2.0, 2.0, 1.0, 0.0])
+    groups = rewards.view(-1, N)
+    means = groups.mean(1, keepdim=True)
+    expected = {  # by hand, per group of N
+        "grpo": grpo(rewards),
+        "dr_grpo": (groups - means).flatten(),  # no std division (Dr. GRPO)
+        "rloo": (groups - (groups.sum(1, keepdim=True) - groups) / (N - 1)).flatten(),  # leave one out
+    }[estimator]
+    torch.testing.assert_close(phases._advantages(run, rewards, torch.ones(2 * N)), expected)
 
 
 def test_rollout_metrics_cover_every_round_before_anything_is_dropped(make_run):
@@ -341,6 +359,11 @@ def test_rollout_logprobs_can_be_the_old_ones_and_a_nonfinite_one_skips_the_step
         batch["rollout_logprobs"][row, col] = float("inf")
     assert phases.prepare(run, batch, 1, metrics) is None
     assert metrics["guard/nonfinite_logprobs"] == 3.0 and metrics["step/skipped"] == 1.0
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    bad = torch.tensor([[float("nan"), float("inf"), 0.0], [0.0, float("-inf"), float("nan")]])
+    for key in ("old_logprobs", "old_logprobs_ref", "ref_logprobs"):  # every log-prob the loss reads
+        assert phases._count_nonfinite(run, {"loss_mask": mask, key: bad}) == 2.0, key  # response tokens only
+    assert phases._count_nonfinite(run, {"loss_mask": mask, "old_logprobs": bad, "ref_logprobs": bad}) == 4.0
 
 
 def _k2(old: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
