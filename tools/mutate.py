@@ -177,7 +177,7 @@ def _run_spawned(work: Path, env: dict, spawned: dict[str, list[str]], statuses:
     node_ids: dict[str, list[str]] = {}
     for name in orphans:
         function = name.partition("__mutmut_")[0]
-        tests = spawned.get(_plain_name(function), spawned["*"])
+        tests = spawned[_plain_name(function)] if _plain_name(function) in spawned else spawned["*"]
         for test in tests:
             if test not in node_ids:
                 listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", test], cwd=work,
