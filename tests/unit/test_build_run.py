@@ -215,10 +215,39 @@ def test_the_reward_runner_a_config_asks_for():
         assert (r.name, r.timeout_s, r.batched) == ("exact_match", 3, False)
     finally:
         r.close()
+    with pytest.raises(ValueError, match="reward 'exact_match': built-in rewards are per-sample; batched needs"):
+        build.build_rewards(_cfg("reward.name=exact_match", "reward.batched=true"))
 
 
 class _Parallel(SimpleNamespace):
     rank = 0
+
+
+def test_the_weight_sync_follows_the_config_and_waits_for_no_owner_without_clients(make_run):
+    run = make_run("sync.bucket_size_mb=3", "sync.check=true")
+    assert run.sync.bucket_bytes == 3 * 2**20 and run.sync.check
+    assert run.sync.wait_for_owners is False  # the embedded engine: one owner, no client rank to wait for
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_resumed_run_keeps_the_metrics_of_the_steps_before_its_checkpoint(make_run, tmp_path, resume):
+    log_dir = tmp_path / "resumed"
+    (log_dir / "checkpoints").mkdir(parents=True)
+    (log_dir / "checkpoints" / "latest").write_text("3")
+    (log_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": i}) + "\n" for i in range(5)))
+    run = make_run(f"log.dir={log_dir}", f"checkpoint.resume={str(resume).lower()}")
+    assert [h["step"] for h in run.logger.history] == ([0, 1, 2] if resume else [])
+
+
+def test_the_prompt_format_of_the_data_section_reaches_the_dataset():
+    cfg = _cfg("data.chat_template=true", "data.system_prompt=Be brief.", "data.prompt_template=Solve {prompt} now")
+    cfg.data.template_kwargs = {"enable_thinking": False}
+    kw = build._dataset_kwargs(cfg.data)
+    fmt = kw.pop("fmt")
+    assert (fmt.apply_chat_template, fmt.system_prompt, fmt.prompt_template) == (True, "Be brief.", "Solve {prompt} now")
+    assert fmt.template_kwargs == {"enable_thinking": False} and fmt.template_kwargs is not cfg.data.template_kwargs
+    d = cfg.data
+    assert kw == dict(prompt_key=d.prompt_key, answer_key=d.answer_key, max_prompt_len=d.max_prompt_len)
 
 
 def test_epochs_cap_the_steps_of_a_run(make_run):
@@ -242,6 +271,26 @@ def test_a_loader_that_cannot_fill_its_batches_is_refused(tmp_path):
         build.build_data(cfg, tok, _Parallel(dp_size=1))
     with pytest.raises(ValueError, match=r"config key 'data.path': no such file .*nowhere.jsonl"):
         build.build_dataset(load_config(None, [f"data.path={tmp_path / 'nowhere.jsonl'}"]).data, tok, 0)
+
+
+
+def test_epochs_that_hold_exactly_the_steps_cap_nothing(tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    from megatron_rl.loop.warmstart import prepare_tiny_model
+
+    def steps_after_build(num_steps: int) -> tuple[int, bool]:
+        cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*BASE, f"log.dir={tmp_path}", "data.num_examples=12",
+                                                              "data.prompts_per_step=4", "data.num_epochs=1",
+                                                              f"train.num_steps={num_steps}"])
+        tok = AutoTokenizer.from_pretrained(prepare_tiny_model(cfg, tmp_path / "models"))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+            build.build_data(cfg, tok, _Parallel(dp_size=1))
+        return cfg.train.num_steps, any("capped" in m for m in caplog.messages)
+
+    assert steps_after_build(3) == (3, False)  # 12 prompts, 4 a step: 3 steps, nothing capped
+    assert steps_after_build(4) == (3, True)
 
 
 def _run_for_steps(*overrides: str):
@@ -351,17 +400,24 @@ def test_a_disaggregated_owner_launches_its_servers_and_feeds_them_by_the_config
         engine.shutdown()
 
 
-def test_a_colocated_client_attaches_to_its_hosts_servers_and_sends_nothing(qwen2_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("transport", ["disk", "tensor"])
+def test_a_colocated_client_attaches_to_its_hosts_servers_and_sends_nothing(qwen2_dir, tmp_path, monkeypatch,
+                                                                            transport):
     from megatron_rl.cluster.placement import placement_for_config
+    from megatron_rl.sync.disk_transport import DiskTransport
+    from megatron_rl.sync.sglang_transport import SGLangTensorTransport
 
-    owner_cfg = _sglang_cfg(tmp_path, "rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=disk",
-                            f"rollout.sglang.disk_dir={tmp_path / 'shared'}")
+    owner_cfg = _sglang_cfg(tmp_path, "rollout.sglang.mode=colocated", f"rollout.sglang.weight_transport={transport}",
+                            f"rollout.sglang.disk_dir={tmp_path / 'shared'}", "sync.check=true")
     monkeypatch.setenv("MEGATRON_RL_LOG_DIR", str(tmp_path / "logs"))
     placement = placement_for_config(owner_cfg, [owner_cfg.rollout.sglang.host], 2)  # 2 ranks, one server each
     owner = client = None
     try:
         owner, sender = build.build_sglang(owner_cfg, qwen2_dir, placement, 0)
-        assert sender is not None and len(owner.servers) == 2
+        assert type(sender) is {"disk": DiskTransport, "tensor": SGLangTensorTransport}[transport]
+        assert sender.engine is owner and len(owner.servers) == 2
+        if transport == "tensor":
+            assert sender.checked.check and sender.gather is None  # one sender; wire_ipc_gather adds the rest
         assert (tmp_path / "logs" / owner_cfg.rollout.sglang.host).is_dir()
         client, nothing = build.build_engine(owner_cfg, qwen2_dir, placement, 1)
         assert nothing is None
@@ -428,3 +484,15 @@ def test_one_process_without_a_plan_owns_the_disaggregated_servers_it_lists(qwen
         assert placement is None and transport.engine is engine and len(engine.servers) == 1
     finally:
         engine.shutdown()
+
+
+def test_the_start_line_is_recorded_by_rank_0_even_in_a_log_folder_not_made_yet(tmp_path, caplog):
+    cfg = _cfg(f"log.dir={tmp_path / 'runs' / 'new'}", "precision.train_recipe=blockwise")
+    settings = SimpleNamespace(summary=lambda recipe, dp: f"{recipe} on dp={dp}", to_dict=lambda: {"params_dtype": "x"})
+    build.log_actor_settings(cfg, settings, SimpleNamespace(rank=1, dp_size=2))
+    assert not (tmp_path / "runs").exists()  # another rank logs and writes nothing
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+        build.log_actor_settings(cfg, settings, SimpleNamespace(rank=0, dp_size=2))
+    assert caplog.messages == ["blockwise on dp=2"]
+    assert json.loads((tmp_path / "runs" / "new" / "actor_settings.json").read_text()) == {
+        "settings": {"params_dtype": "x"}, "train_recipe": "blockwise", "dp_size": 2, "summary": "blockwise on dp=2"}
