@@ -164,10 +164,14 @@ def _plain_name(function: str) -> str:
     return function.rsplit(".", 1)[-1].rsplit("ǁ", 1)[-1].removeprefix("x_")
 
 
-def _run_spawned(work: Path, env: dict, spawned: dict[str, list[str]], statuses: dict[str, str],
+def _run_spawned(work: Path, env: dict, module: str, tests: list[str], statuses: dict[str, str],
                  max_children: int, timeout_s: float) -> dict[str, str]:
     """Add each function's spawned tests to mutmut's map for the mutants that had no test or
-    survived, and rerun those mutants."""
+    survived, and rerun those mutants.
+
+    The spawned tests join the run's test selection too: mutmut drops from its map every test the
+    selection does not list ("obsolete"), so a test only written into the map would never run."""
+    spawned = SPAWNED[module]
     orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived")
                      and (_plain_name(name.partition("__mutmut_")[0]) in spawned or "*" in spawned))
     if not orphans:
@@ -189,9 +193,13 @@ def _run_spawned(work: Path, env: dict, spawned: dict[str, list[str]], statuses:
         for node in ids:
             stats["duration_by_test"].setdefault(node, SPAWNED_TEST_S)
     stats_path.write_text(json.dumps(stats, indent=4))
-    with open(work / "mutmut.log", "a") as log:
-        subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *orphans], cwd=work, env=env,
-                       stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    (work / "setup.cfg").write_text(_setup_cfg(module, [*tests, *sorted(set(node_ids) - set(tests))]))
+    try:
+        with open(work / "mutmut.log", "a") as log:
+            subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *orphans], cwd=work, env=env,
+                           stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    finally:
+        (work / "setup.cfg").write_text(_setup_cfg(module, tests))
     return _results(work)
 
 
@@ -233,7 +241,7 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
         if any(status != "not checked" for status in statuses.values()):
             break
     if module in SPAWNED:
-        every = _run_spawned(work, env, SPAWNED[module], statuses, max_children, timeout_s)
+        every = _run_spawned(work, env, module, tests, statuses, max_children, timeout_s)
         statuses = {name: every[name] for name in statuses}  # the drawn ones only, when sampled
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
