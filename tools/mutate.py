@@ -72,7 +72,10 @@ MODULES: dict[str, list[str]] = {
                                              "tests/unit/test_sglang_update_protocol.py",
                                              "tests/unit/test_retry_boundaries.py",
                                              "tests/unit/test_sglang_release_tags.py",
-                                             "tests/unit/test_sglang_shutdown.py"],
+                                             "tests/unit/test_sglang_shutdown.py",
+                                             # the transports check and feed the servers through the engine
+                                             "tests/unit/test_transport_sglang.py", "tests/unit/test_transport_disk.py",
+                                             "tests/unit/test_sglang_router.py"],
     # The rendezvous test is listed so mutmut knows it from the start (a test it has not seen makes it
     # redo its in-process map, which drops the spawned mapping below).
     "megatron_rl/collectives.py": ["tests/unit/test_collectives.py", "tests/dist/test_host_collectives.py",

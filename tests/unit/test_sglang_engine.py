@@ -101,3 +101,15 @@ def test_restarted_server_serves_nothing_until_the_next_update(engine):
     # server 1 answered, but its samples say weight_version "0": never taken as version 3
     assert engine.stats["restarts"] == restarts + 1
     assert engine.servers[0].version == -1
+
+
+def test_a_refusal_names_the_server_the_status_why_it_is_not_retried_and_the_answer():
+    from megatron_rl.rollout.sglang_engine import _refused_message
+
+    body = "  " + "x" * 600 + "  "
+    assert _refused_message("http://n1:30000", SGLangHTTPError("u", 418, body)) == (
+        "/generate refused by http://n1:30000 with HTTP 418 (not retried: a client error another attempt "
+        f"would repeat); answer: {'x' * 500}")
+    message = _refused_message("http://n1:30000", SGLangHTTPError("u", 422, "{}"))
+    assert "HTTP 422 (not retried: the request does not fit sglang-router's typed GenerateRequest" in message
+    assert message.endswith("; answer: {}")
