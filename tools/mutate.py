@@ -112,6 +112,7 @@ SPAWNED["megatron_rl/loop/phases.py"] = {
 # build_rollout's placement path with more than one rank: owner and client on one host.
 SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ranks.py"]
                                        for name in ("build_rollout", "wire_ipc_gather")}
+SPAWNED["megatron_rl/loop/build.py"]["build_run"] = ["tests/dist/test_rl_loop_ranks.py"]  # TP=2 x DP=1, and DP=2
 SPAWNED["megatron_rl/loop/phases.py"].update({
     "assert_same_across_model_parallel": ["tests/dist/test_calib_model_parallel.py"],  # TP=2 ranks
     "_histogram_payload": ["tests/e2e/test_calib_dump.py"],  # rebuilt by hand from a run's dump (a subprocess)
@@ -119,7 +120,7 @@ SPAWNED["megatron_rl/loop/phases.py"].update({
     **{name: ["tests/dist/test_rl_loop_ranks.py"]
        for name in ("_broadcast_from_engine_rank", "_score_on_engine_rank", "_sample_round", "_shard")},
 })
-SPAWNED_TEST_S = 30.0  # a spawned test's time as mutmut's timeout sees it (the 4-rank one: about 10 s)
+SPAWNED_LIMIT_S = 600.0  # one mutant's run of its spawned tests (a passing run: 20-140 s on 2 cores)
 
 
 def _setup_cfg(module: str, tests: list[str]) -> str:
@@ -167,43 +168,39 @@ def _plain_name(function: str) -> str:
     return function.rsplit(".", 1)[-1].rsplit("ǁ", 1)[-1].removeprefix("x_")
 
 
-def _run_spawned(work: Path, env: dict, module: str, tests: list[str], statuses: dict[str, str],
-                 max_children: int, timeout_s: float) -> dict[str, str]:
-    """Add each function's spawned tests to mutmut's map for the mutants that had no test or
-    survived, and rerun those mutants.
+def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], max_children: int) -> dict[str, str]:
+    """Run each surviving (or untested) mutant of a function listed in SPAWNED against that
+    function's multi-process tests, and return the statuses with theirs updated.
 
-    The spawned tests join the run's test selection too: mutmut drops from its map every test the
-    selection does not list ("obsolete"), so a test only written into the map would never run."""
+    mutmut cannot map these tests (the calls happen in the ranks it spawns, not in its process), and
+    mutmut 3.8 drops from its map every test its own selection does not list, so the tests run
+    here, outside its runner: pytest in the mutated copy with MUTANT_UNDER_TEST set, which the
+    spawned ranks inherit with the environment. A failing run kills the mutant; a run past the
+    limit is a timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
     spawned = SPAWNED[module]
     orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived")
                      and (_plain_name(name.partition("__mutmut_")[0]) in spawned or "*" in spawned))
-    if not orphans:
-        return statuses
-    stats_path = work / "mutants" / "mutmut-stats.json"
-    stats = json.loads(stats_path.read_text())
-    node_ids: dict[str, list[str]] = {}
-    for name in orphans:
-        function = name.partition("__mutmut_")[0]
-        tests = spawned[_plain_name(function)] if _plain_name(function) in spawned else spawned["*"]
-        for test in tests:
-            if test not in node_ids:
-                listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", test], cwd=work,
-                                        env=env, capture_output=True, text=True, check=True).stdout
-                node_ids[test] = [line for line in listed.splitlines() if "::" in line]
-        ids = {node for test in tests for node in node_ids[test]}
-        known = stats["tests_by_mangled_function_name"].get(function, [])
-        stats["tests_by_mangled_function_name"][function] = sorted(set(known) | ids)
-        for node in ids:
-            stats["duration_by_test"].setdefault(node, SPAWNED_TEST_S)
-    stats_path.write_text(json.dumps(stats, indent=4))
-    (work / "setup.cfg").write_text(_setup_cfg(module, [*tests, *sorted(set(node_ids) - set(tests))]))
-    try:
-        with open(work / "mutmut.log", "a") as log:
-            subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *orphans], cwd=work, env=env,
-                           stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-    finally:
-        (work / "setup.cfg").write_text(_setup_cfg(module, tests))
-    return _results(work)
+
+    def judge(name: str) -> tuple[str, str]:
+        plain = _plain_name(name.partition("__mutmut_")[0])
+        tests = spawned[plain] if plain in spawned else spawned["*"]
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                                  cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
+                                  capture_output=True, text=True, timeout=SPAWNED_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            return name, "timeout"
+        if proc.returncode not in (0, 1):  # 2-5: interrupted, internal error, usage, nothing collected
+            raise RuntimeError(f"{name}: pytest exited {proc.returncode} on {tests}:\n{proc.stdout[-2000:]}")
+        return name, "killed" if proc.returncode else "survived"
+
+    with ThreadPoolExecutor(max_children) as pool, open(work / "spawned.log", "a") as log:
+        for name, status in pool.map(judge, orphans):
+            log.write(f"{name}: {status}\n")
+            statuses = {**statuses, name: status}
+    return statuses
 
 
 def _sample(work: Path, env: dict, n: int, seed: int, max_children: int, timeout_s: float) -> list[str]:
@@ -237,15 +234,14 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
             proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *chosen],
                                   cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
         every = _results(work)
-        statuses = {name: every[name] for name in chosen} if sample and not rerun else every
+        statuses = {name: every[name] for name in chosen} if chosen else every  # a sample's, or a rerun's
         # mutmut 3.8's first run in a fresh folder (the one that generates the mutants) can stop at
         # its stats step with "could not find any test case for any mutant" and every mutant "not
         # checked"; the next run, which finds the mutants generated, maps and checks them.
         if any(status != "not checked" for status in statuses.values()):
             break
     if module in SPAWNED:
-        every = _run_spawned(work, env, module, tests, statuses, max_children, timeout_s)
-        statuses = {name: every[name] for name in statuses}  # the drawn ones only, when sampled
+        statuses = _run_spawned(work, env, module, statuses, max_children)
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
             "returncode": proc.returncode, "mutants": len(statuses),

@@ -679,3 +679,45 @@ def test_a_skipped_calibration_warns_with_its_reason_and_a_kept_bound_is_named(m
 def test_one_model_parallel_rank_has_nothing_to_compare(make_run):
     run = make_run(sync=False)
     phases.assert_same_across_model_parallel((0.8, 1.2), run.parallel)  # TP = PP = 1: no collective
+
+
+def test_the_calibration_histogram_keeps_the_tokens_the_runs_icepop_bounds_keep(make_run):
+    """IcePop (MIS) weighs a token by its rollout ratio w = exp(old - rollout) where w lies in
+    [icepop_low, icepop_high], else 0; the histogram must weigh the tokens as the loss does."""
+    run = make_run("algo.use_tis=true", "algo.tis_mode=icepop", "algo.icepop_low=0.9", "algo.icepop_high=2.0",
+                   sync=False)
+    rollout_ratio = torch.tensor([[0.3, 0.95, 1.5, 3.0], [0.6, 1.0, 1.9, 7.0]])
+    mb = {"loss_mask": torch.ones(2, 4), "old_logprobs": torch.zeros(2, 4), "rollout_logprobs": -rollout_ratio.log(),
+          "ratio_ref": torch.ones(2, 4), "advantages": torch.tensor([[1.0] * 4, [-1.0] * 4])}
+    logprobs = torch.tensor([[0.1, -0.2, 0.3, 0.0], [-0.3, 0.2, 0.05, -0.1]])
+    expected = run.controller.new_histogram()
+    kept = ((rollout_ratio >= 0.9) & (rollout_ratio <= 2.0)).float()  # the default bounds (0.5, 5) keep more
+    expected.add(logprobs.exp(), mb["ratio_ref"], mb["advantages"], mb["loss_mask"], weights=rollout_ratio * kept)
+    torch.testing.assert_close(phases._histogram_payload(run, logprobs, mb), expected.payload)
+
+
+def test_a_sequence_level_histogram_counts_only_the_tokens_rejection_sampling_keeps(make_run):
+    """GSPO calibrates one entry per sequence, its ratio the mean log-ratio over the tokens the loss
+    keeps: token_k1 rejection drops the tokens whose exp(rollout - old) leaves [low, threshold]."""
+    run = make_run("precision.train_recipe=tensorwise", "calib.enabled=true", "algo.loss_mode=gspo",
+                   "algo.eps_clip=3e-4", "algo.eps_clip_high=4e-4", "calib.level=sequence",
+                   "calib.log_ratio_range=0.01", "calib.low_min=0.99", "calib.high_max=1.01",
+                   "algo.rollout_rs=token_k1", "algo.rollout_rs_threshold=2.0", "algo.rollout_rs_threshold_low=0.9",
+                   "algo.use_tis=false",
+                   sync=False)
+    k1_ratio = torch.tensor([[0.3, 0.95, 1.5, 3.0], [0.6, 1.0, 1.9, 7.0]])  # pi_rollout / pi_old (verl's token_k1)
+    mb = {"loss_mask": torch.ones(2, 4), "old_logprobs": torch.zeros(2, 4), "rollout_logprobs": k1_ratio.log(),
+          "ratio_ref": torch.ones(2, 4), "advantages": torch.tensor([[1.0] * 4, [-1.0] * 4])}
+    logprobs = torch.tensor([[0.001, -0.002, 0.003, 0.0], [-0.003, 0.002, 0.0005, -0.001]])
+    kept = (k1_ratio >= 0.9) & (k1_ratio <= 2.0)
+    assert kept.sum() == 4  # a mask without rejection would keep all 8
+    from megatron_rl.algo.policy_loss import loss_token_weights
+
+    weights = loss_token_weights(mb["loss_mask"], run.cfg.algo.loss_agg_mode, mb["old_logprobs"], mb["rollout_logprobs"],
+                                 rollout_rs="token_k1", rollout_rs_threshold=2.0, rollout_rs_threshold_low=0.9)
+    expected = run.controller.new_histogram()  # the loss's own token weights, over the tokens kept by hand
+    expected.add_sequences(logprobs, torch.zeros(2, 4), mb["advantages"], kept, weights=weights,
+                           dual_clip=run.cfg.algo.eps_clip_c)
+    got = phases._histogram_payload(run, logprobs, mb)
+    assert got.sum() > 0
+    torch.testing.assert_close(got, expected.payload)
