@@ -119,6 +119,7 @@ SPAWNED["megatron_rl/loop/phases.py"].update({
     # TP=2: only the engine rank samples and scores; its peer receives both (and DP=2 shards)
     **{name: ["tests/dist/test_rl_loop_ranks.py"]
        for name in ("_broadcast_from_engine_rank", "_score_on_engine_rank", "_sample_round", "_shard")},
+    "generate": ["tests/dist/test_rl_loop_grid.py"],  # DP=2 dynamic sampling: each replica's share of the kept groups
 })
 SPAWNED_LIMIT_S = 600.0  # one mutant's run of its spawned tests (a passing run: 20-140 s on 2 cores)
 

@@ -113,3 +113,21 @@ def test_a_refusal_names_the_server_the_status_why_it_is_not_retried_and_the_ans
     message = _refused_message("http://n1:30000", SGLangHTTPError("u", 422, "{}"))
     assert "HTTP 422 (not retried: the request does not fit sglang-router's typed GenerateRequest" in message
     assert message.endswith("; answer: {}")
+
+
+def test_hf_named_digests_are_refused_with_the_check_that_works():
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    with pytest.raises(NotImplementedError, match=r"the SGLang transports check updates with check_weights\(\)"):
+        SGLangEngine.checksum(None, ["model.embed_tokens.weight"])
+
+
+def test_a_tp2_server_is_never_fed_one_payload_for_all_its_ranks(tmp_path, monkeypatch):
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
+    engine = SGLangEngine(SGLangConfig(num_servers=1, tp_size=2), tmp_path, start=False)  # nothing launched
+    with pytest.raises(ValueError, match=r"rollout.sglang.tp_size > 1: every TP rank needs its own payload; use "
+                                         r"megatron_rl.sync.sglang_transport.SGLangTensorTransport with a gather"):
+        engine.update_weights([("lm_head.weight", torch.zeros(2, 2))], version=1)
