@@ -159,10 +159,18 @@ class ServerState:
         return 200, out
 
     def _maybe_die(self):
+        """Once per marker file across every server sharing it: the exclusive create is atomic, so
+        two servers whose first /generate arrives at the same moment cannot both die."""
         marker = self.args.die_on_generate_once
-        if marker and not Path(marker).exists():
-            Path(marker).write_text("died")
-            os._exit(1)  # mid-request crash: the client sees the connection drop
+        if not marker:
+            return
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, b"died")
+        os.close(fd)
+        os._exit(1)  # mid-request crash: the client sees the connection drop
 
     def _generate_rows(self, body, epoch):
         ids = body["input_ids"]
