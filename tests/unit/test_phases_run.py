@@ -265,6 +265,9 @@ def test_the_kept_batch_trains_the_kept_groups_and_pads_with_masked_rows(make_ru
     batch = phases._kept_batch(run, [first, kept], taken=[1, 1], most=2)  # one group from each round
     assert [int(row[2]) for row in batch["tokens"]] == [30, 31, 32, 33, 20, 21, 22, 23]
     assert batch["rewards"].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    two = _round(_samples(40, (1, 2, 3, 4, 1, 2, 3, 4)), [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0], [True] * 8)
+    batch = phases._kept_batch(run, [two], taken=[1], most=1)  # two kept groups, the plan takes one
+    assert [int(row[2]) for row in batch["tokens"]] == [40, 41, 42, 43]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
@@ -687,12 +690,14 @@ def test_the_calibration_histogram_keeps_the_tokens_the_runs_icepop_bounds_keep(
     run = make_run("algo.use_tis=true", "algo.tis_mode=icepop", "algo.icepop_low=0.9", "algo.icepop_high=2.0",
                    sync=False)
     rollout_ratio = torch.tensor([[0.3, 0.95, 1.5, 3.0], [0.6, 1.0, 1.9, 7.0]])
-    mb = {"loss_mask": torch.ones(2, 4), "old_logprobs": torch.zeros(2, 4), "rollout_logprobs": -rollout_ratio.log(),
+    old = torch.full((2, 4), -0.5)
+    mb = {"loss_mask": torch.ones(2, 4), "old_logprobs": old, "rollout_logprobs": old - rollout_ratio.log(),
           "ratio_ref": torch.ones(2, 4), "advantages": torch.tensor([[1.0] * 4, [-1.0] * 4])}
-    logprobs = torch.tensor([[0.1, -0.2, 0.3, 0.0], [-0.3, 0.2, 0.05, -0.1]])
+    logprobs = old + torch.tensor([[0.1, -0.2, 0.3, 0.0], [-0.3, 0.2, 0.05, -0.1]])
     expected = run.controller.new_histogram()
     kept = ((rollout_ratio >= 0.9) & (rollout_ratio <= 2.0)).float()  # the default bounds (0.5, 5) keep more
-    expected.add(logprobs.exp(), mb["ratio_ref"], mb["advantages"], mb["loss_mask"], weights=rollout_ratio * kept)
+    expected.add((logprobs - old).exp(), mb["ratio_ref"], mb["advantages"], mb["loss_mask"],
+                 weights=rollout_ratio * kept)
     torch.testing.assert_close(phases._histogram_payload(run, logprobs, mb), expected.payload)
 
 
