@@ -726,3 +726,18 @@ def test_a_sequence_level_histogram_counts_only_the_tokens_rejection_sampling_ke
     got = phases._histogram_payload(run, logprobs, mb)
     assert got.sum() > 0
     torch.testing.assert_close(got, expected.payload)
+
+
+def _bonus(response: str, answer: str, bonus: float = -1.0) -> float:
+    return bonus
+
+
+def test_the_reward_gets_each_prompts_extra_dataset_columns(make_run):
+    from dataclasses import replace
+
+    register_reward_fn("test_phases_run_bonus", _bonus)
+    run = make_run("reward.name=test_phases_run_bonus", sync=False)
+    prompts = [replace(p, extra={"bonus": 0.25 * (i + 1)}) for i, p in enumerate(run.loader.next_batch()[:2])]
+    samples = [Sample(i // N, list(prompts[i // N].prompt_ids), [5], [0.0], "stop") for i in range(2 * N)]
+    rewards, _, _ = phases._score(run, prompts, samples)
+    assert rewards.tolist() == [0.25] * N + [0.5] * N  # each response gets its own prompt's column
