@@ -588,12 +588,14 @@ def test_a_dump_of_a_dynamic_sampling_round_has_the_components_and_whitened_adva
     assert [r["answer"] for r in records] == [prompts[0].answer] * 4 + [prompts[1].answer] * 4
 
 
-def _splits(run, step: int) -> list[list[int]]:
-    """update_policy's mini-batches at `step`, as lists of row ids (the first token after the prompt)."""
+def _splits(run, step: int, global_seed: int = 0) -> list[list[int]]:
+    """update_policy's mini-batches at `step`, as lists of row ids (the first token after the prompt),
+    with the global RNG seeded `global_seed` just before (build_run seeds it too)."""
     batch, metrics = _rollout_batch(run)
     batch = phases.prepare(run, batch, step, metrics)
     keys = [tuple(row.tolist()) for row in batch["tokens"]]
     calls = spy_train_step(run)
+    torch.manual_seed(global_seed)
     phases.update_policy(run, batch, step)
     width = batch["tokens"].shape[1]
     return [sorted(keys.index(tuple(r.tolist())) for r in c["batch"]["tokens"][:, :width]
@@ -603,10 +605,8 @@ def _splits(run, step: int) -> list[list[int]]:
 def test_the_mini_batch_split_is_drawn_from_the_seed_and_step_alone(make_run):
     """A resumed run trains the same mini-batches as an uninterrupted one: the split never reads the
     global RNG, whatever ran before it."""
-    torch.manual_seed(1)
-    first = _splits(make_run("train.num_mini_batches=4", "calib.enabled=false"), 1)
-    torch.manual_seed(2)
-    again = _splits(make_run("train.num_mini_batches=4", "calib.enabled=false"), 1)
+    first = _splits(make_run("train.num_mini_batches=4", "calib.enabled=false"), 1, global_seed=1)
+    again = _splits(make_run("train.num_mini_batches=4", "calib.enabled=false"), 1, global_seed=2)
     assert first == again and len(first) == 4
     assert sorted(i for part in first for i in part) == list(range(PROMPTS * N))
     assert first != [list(range(i, i + 4)) for i in range(0, 16, 4)]  # shuffled
