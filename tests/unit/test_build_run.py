@@ -271,6 +271,11 @@ def test_a_loader_that_cannot_fill_its_batches_is_refused(tmp_path):
         build.build_data(cfg, tok, _Parallel(dp_size=1))
     with pytest.raises(ValueError, match=r"config key 'data.path': no such file .*nowhere.jsonl"):
         build.build_dataset(load_config(None, [f"data.path={tmp_path / 'nowhere.jsonl'}"]).data, tok, 0)
+    rows = [{"q": f"sort {i} {i + 2} {i + 1}", "a": f"{i} {i + 1} {i + 2}"} for i in range(5)]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mine = build.build_dataset(load_config(None, [f"data.path={tmp_path / 'mine.jsonl'}", "data.prompt_key=q",
+                                                  "data.answer_key=a"]).data, tok, 0)
+    assert [p.answer for p in mine] == [r["a"] for r in rows]  # the user's file, its own keys
 
 
 
