@@ -76,8 +76,7 @@ MODULES: dict[str, list[str]] = {
                                              # the transports check and feed the servers through the engine
                                              "tests/unit/test_transport_sglang.py", "tests/unit/test_transport_disk.py",
                                              "tests/unit/test_sglang_router.py"],
-    # The rendezvous test is listed so mutmut knows it from the start (a test it has not seen makes it
-    # redo its in-process map, which drops the spawned mapping below).
+    # The gloo tests run the collectives on real ranks (SPAWNED below reruns the survivors against them).
     "megatron_rl/collectives.py": ["tests/unit/test_collectives.py", "tests/dist/test_host_collectives.py",
                                    "tests/dist/test_weight_group_rendezvous.py"],
     "megatron_rl/rewards/runner.py": ["tests/unit/test_rewards_worker.py", "tests/unit/test_rewards_runner.py"],
@@ -197,10 +196,11 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
             raise RuntimeError(f"{name}: pytest exited {proc.returncode} on {tests}:\n{proc.stdout[-2000:]}")
         return name, "killed" if proc.returncode else "survived"
 
+    statuses = dict(statuses)
     with ThreadPoolExecutor(max_children) as pool, open(work / "spawned.log", "a") as log:
         for name, status in pool.map(judge, orphans):
             log.write(f"{name}: {status}\n")
-            statuses = {**statuses, name: status}
+            statuses[name] = status
     return statuses
 
 

@@ -255,14 +255,18 @@ def test_epochs_cap_the_steps_of_a_run(make_run):
     assert run.cfg.train.num_steps == 6 and run.loader.batch_size == 4
 
 
-def test_a_loader_that_cannot_fill_its_batches_is_refused(tmp_path):
-    cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*BASE, f"log.dir={tmp_path}", "data.num_examples=3",
-                                                          "data.prompts_per_step=4", "data.num_epochs=1"])
+def _data_cfg(tmp_path, *overrides: str):
+    """(config, the tiny model's tokenizer) for build_data / build_dataset calls."""
     from transformers import AutoTokenizer
 
     from megatron_rl.loop.warmstart import prepare_tiny_model
 
-    tok = AutoTokenizer.from_pretrained(prepare_tiny_model(cfg, tmp_path / "models"))
+    cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*BASE, f"log.dir={tmp_path}", *overrides])
+    return cfg, AutoTokenizer.from_pretrained(prepare_tiny_model(cfg, tmp_path / "models"))
+
+
+def test_a_loader_that_cannot_fill_its_batches_is_refused(tmp_path):
+    cfg, tok = _data_cfg(tmp_path, "data.num_examples=3", "data.prompts_per_step=4", "data.num_epochs=1")
     with pytest.raises(ValueError, match=r"config key 'data.prompts_per_step': 4 is not divisible by the "
                                          r"data-parallel size 3"):
         build.build_data(cfg, tok, _Parallel(dp_size=3))
@@ -271,24 +275,21 @@ def test_a_loader_that_cannot_fill_its_batches_is_refused(tmp_path):
         build.build_data(cfg, tok, _Parallel(dp_size=1))
     with pytest.raises(ValueError, match=r"config key 'data.path': no such file .*nowhere.jsonl"):
         build.build_dataset(load_config(None, [f"data.path={tmp_path / 'nowhere.jsonl'}"]).data, tok, 0)
+
+
+def test_a_users_jsonl_file_is_read_with_its_own_keys(tmp_path):
+    _, tok = _data_cfg(tmp_path)
     rows = [{"q": f"sort {i} {i + 2} {i + 1}", "a": f"{i} {i + 1} {i + 2}"} for i in range(5)]
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     mine = build.build_dataset(load_config(None, [f"data.path={tmp_path / 'mine.jsonl'}", "data.prompt_key=q",
                                                   "data.answer_key=a"]).data, tok, 0)
-    assert [p.answer for p in mine] == [r["a"] for r in rows]  # the user's file, its own keys
-
+    assert [p.answer for p in mine] == [r["a"] for r in rows]
 
 
 def test_epochs_that_hold_exactly_the_steps_cap_nothing(tmp_path, caplog):
-    from transformers import AutoTokenizer
-
-    from megatron_rl.loop.warmstart import prepare_tiny_model
-
     def steps_after_build(num_steps: int) -> tuple[int, bool]:
-        cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [*BASE, f"log.dir={tmp_path}", "data.num_examples=12",
-                                                              "data.prompts_per_step=4", "data.num_epochs=1",
-                                                              f"train.num_steps={num_steps}"])
-        tok = AutoTokenizer.from_pretrained(prepare_tiny_model(cfg, tmp_path / "models"))
+        cfg, tok = _data_cfg(tmp_path, "data.num_examples=12", "data.prompts_per_step=4", "data.num_epochs=1",
+                             f"train.num_steps={num_steps}")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
             build.build_data(cfg, tok, _Parallel(dp_size=1))
