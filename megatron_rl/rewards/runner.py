@@ -13,6 +13,7 @@ from megatron_rl.rewards.user import accepted_extras
 logger = logging.getLogger(__name__)
 
 MAX_LOGGED_FAILURES = 5  # per score() call; the stats always hold the full counts
+STARTUP_TIMEOUT_S = 120.0  # a worker's start (fork, or spawn's imports) is not the reward function's time
 
 
 def normalize(value: Any) -> tuple[float, dict[str, float], str | None]:
@@ -50,6 +51,10 @@ def _worker_main(fn: Callable, conn: Connection, batched: bool, parent_end: Conn
     scheduler that ends a job by its process tree)."""
     if parent_end is not None:
         parent_end.close()
+    try:
+        conn.send((-1, "ready", None))  # the parent times the function from here, not the worker's start
+    except OSError:  # the parent is gone already
+        return
     while True:
         try:
             batch = conn.recv()
@@ -136,8 +141,22 @@ class RewardRunner:
             # Close the parent's copy of the child end: otherwise a dead worker never reads as EOF.
             child_conn.close()
             self._conn = parent_conn
+            self._wait_ready(parent_conn)
         assert self._conn is not None
         return self._conn
+
+    def _wait_ready(self, conn: Connection) -> None:
+        """Wait for the worker's first message: timeout_s bounds the function, not the start of a
+        worker on a loaded host (a fork can take seconds there; spawn imports the function's module)."""
+        try:
+            if conn.poll(STARTUP_TIMEOUT_S) and conn.recv()[1] == "ready":
+                return
+            reason = f"did not start within {STARTUP_TIMEOUT_S:g} s"
+        except (EOFError, OSError):
+            self._proc.join(timeout=5.0)
+            reason = f"exited at start-up (exit code {self._proc.exitcode})"
+        self._kill_worker()
+        raise RuntimeError(f"reward worker for {self.name} {reason}")
 
     def _kill_worker(self) -> None:
         if self._proc is not None:

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,10 @@ DOUBLES = Path(__file__).resolve().parent
 SERVER_COMMAND = [sys.executable, str(DOUBLES / "sglang_server_double.py")]
 ROUTER_COMMAND = [sys.executable, str(DOUBLES / "sglang_router_double.py")]
 API_KEY = "test-key-7f3a"
+# How long a server double may take to answer /health: 5-10 s on an idle 2-core host, over 60 s
+# seen on a loaded CI host (it imports torch and transformers and builds the model).
+START_S = 300.0
+DOUBLES_TIMEOUT_S = START_S + 300  # pytest-timeout for a test that starts server doubles: their start and its work
 
 needs_sglang_source = pytest.mark.skipif(
     sglang_protocol.sglang_root() is None,
@@ -63,6 +68,25 @@ def _free(port: int) -> bool:
             return False
 
 
+def start_double(model_dir: Path, *flags: str):
+    """One server double on a free port, healthy: (process, its URL); the caller kills it."""
+    from megatron_rl.rollout.sglang_client import SGLangClient
+
+    port = free_port_block(1)
+    proc = subprocess.Popen([*SERVER_COMMAND, "--model-path", str(model_dir), "--port", str(port),
+                             "--api-key", API_KEY, *flags])
+    client = SGLangClient(f"http://127.0.0.1:{port}", API_KEY, timeout_s=60)
+    deadline = time.monotonic() + START_S
+    while not client.healthy("/health"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server double on port {port} " + (
+                f"exited with code {proc.returncode}" if proc.returncode is not None
+                else f"not healthy after {START_S:.0f} s"))
+        time.sleep(0.2)
+    return proc, client.url
+
+
 def double_argv(cfg, model_dir: Path, extra_by_server: dict[int, list[str]] | None = None):
     """argv_fn for SGLangEngine: the project's own server flags, plus extra_by_server[i] for server i."""
     from megatron_rl.rollout.sglang_server import server_args
@@ -83,7 +107,7 @@ def make_engine(model_dir: Path, num_servers: int = 1, extra_by_server=None, **c
 
     os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
     cfg_kw.setdefault("base_port", free_port_block(num_servers))
-    cfg = SGLangConfig(num_servers=num_servers, startup_timeout_s=120.0, request_timeout_s=120.0,
+    cfg = SGLangConfig(num_servers=num_servers, startup_timeout_s=START_S, request_timeout_s=120.0,
                        server_command=SERVER_COMMAND, router_command=ROUTER_COMMAND, **cfg_kw)
     argv_fn = double_argv(cfg, model_dir, extra_by_server) if extra_by_server else None
     return SGLangEngine(cfg, model_dir, argv_fn=argv_fn)

@@ -19,15 +19,14 @@ from http.server import ThreadingHTTPServer
 import pytest
 
 from double_http import QuietHandler
-from sglang_testing import API_KEY
-from test_sglang_update_protocol import start_double
+from sglang_testing import API_KEY, DOUBLES_TIMEOUT_S, start_double
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_client import SGLangHTTPError
 from megatron_rl.rollout.sglang_config import SGLangConfig
 from megatron_rl.rollout.sglang_engine import RolloutRequestError, RolloutUnavailableError, SGLangEngine
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(DOUBLES_TIMEOUT_S)
 
 # No seed: the rows share one sampling_params object, so they travel in one /generate (per-row
 # seeds would make every row its own request: sglang_engine.request_chunks).

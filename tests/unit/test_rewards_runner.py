@@ -7,6 +7,9 @@ import time
 import pytest
 
 from megatron_rl.rewards import RewardRunner, exact_match
+from megatron_rl.rewards import runner as runner_module
+
+_real_worker_main = runner_module._worker_main
 
 
 def picky(response, answer):
@@ -59,6 +62,34 @@ def test_hanging_function_times_out_and_the_rest_is_scored(caplog):
             again, stats = runner.score(["q"], ["q"])  # the restarted worker keeps serving
             assert again == [1.0] and stats == {"num_errors": 0, "num_timeouts": 0}
     assert "item 1 scored 0.0: timed out after 0.5 s" in caplog.text
+
+
+def _slow_start_worker(*args):
+    time.sleep(1.5)  # a fork on a loaded host
+    _real_worker_main(*args)
+
+
+def test_a_slow_worker_start_is_not_a_timeout(monkeypatch):
+    """timeout_s bounds the reward function: a worker that takes longer than it to start (a loaded
+    CI host) still scores every item."""
+    monkeypatch.setattr(runner_module, "_worker_main", _slow_start_worker)
+    with RewardRunner(picky, timeout_s=0.3) as r:
+        assert r.score(["a", "b"], ["a", "x"]) == ([1.0, 0.25], {"num_errors": 0, "num_timeouts": 0})
+
+
+def test_a_worker_that_never_starts_is_named(monkeypatch):
+    monkeypatch.setattr(runner_module, "_worker_main", lambda *args: time.sleep(30))
+    monkeypatch.setattr(runner_module, "STARTUP_TIMEOUT_S", 0.5)
+    with RewardRunner(picky, timeout_s=5.0, name="slowpoke") as r:
+        with pytest.raises(RuntimeError, match="reward worker for slowpoke did not start within 0.5 s"):
+            r.score(["a"], ["a"])
+
+
+def test_a_worker_dying_at_start_up_is_named(monkeypatch):
+    monkeypatch.setattr(runner_module, "_worker_main", lambda *args: os._exit(7))
+    with RewardRunner(picky, timeout_s=5.0, name="doomed") as r:
+        with pytest.raises(RuntimeError, match=r"reward worker for doomed exited at start-up \(exit code 7\)"):
+            r.score(["a"], ["a"])
 
 
 def test_dying_worker_is_an_error_and_restarted():

@@ -55,7 +55,8 @@ def _serve(fn, batches, batched=False):
     replies = []
     while our_end.poll(0):
         replies.append(our_end.recv())
-    return replies
+    assert replies[0] == (-1, "ready", None)  # first, before any batch is read
+    return replies[1:]
 
 
 def test_the_worker_replies_per_item_in_order_and_keeps_going_after_an_error():

@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
-from sglang_testing import make_engine, needs_sglang_source
+from sglang_testing import DOUBLES_TIMEOUT_S, make_engine, needs_sglang_source
 
 from megatron_rl.cluster.placement import plan_placement
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_engine import SGLangEngine
 
-pytestmark = [needs_sglang_source, pytest.mark.timeout(300)]  # four server doubles: 124 s on a loaded machine
+pytestmark = [needs_sglang_source, pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
 
 
 def test_four_heads_on_one_host_keep_four_servers_busy(qwen2_dir):

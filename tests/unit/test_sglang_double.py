@@ -3,20 +3,19 @@ memory release); expected values are written out by hand from SGLang's source.""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
 
 import pytest
 import torch
 
-from sglang_testing import API_KEY, SERVER_COMMAND, free_port_block
+from sglang_testing import API_KEY, DOUBLES_TIMEOUT_S, start_double
 
 import sglang_weights_double as W
 from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError
 from megatron_rl.rollout.sglang_payload import flatten_bucket, serialize_flattened
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(DOUBLES_TIMEOUT_S)
 L = "model.layers.0."
 
 
@@ -88,16 +87,9 @@ def test_hf_names_come_back_from_the_fused_layout():
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
-    port = free_port_block(1)
-    proc = subprocess.Popen([*SERVER_COMMAND, "--model-path", str(qwen3_dir), "--port", str(port),
-                             "--api-key", API_KEY, "--tp-size", "2", "--weight-version", "0",
-                             "--mem-fraction-static", "0.5", "--health-generate-s", "1.5"])
-    client = SGLangClient(f"http://127.0.0.1:{port}", API_KEY, timeout_s=60)
-    deadline = time.monotonic() + 60
-    while not client.healthy("/health"):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    yield client
+    proc, url = start_double(qwen3_dir, "--tp-size", "2", "--weight-version", "0",
+                             "--mem-fraction-static", "0.5", "--health-generate-s", "1.5")
+    yield SGLangClient(url, API_KEY, timeout_s=60)
     proc.kill()
     proc.wait()
 

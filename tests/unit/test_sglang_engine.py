@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_testing import API_KEY, make_engine, needs_sglang_source
+from sglang_testing import API_KEY, DOUBLES_TIMEOUT_S, make_engine, needs_sglang_source
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError
 
-pytestmark = [needs_sglang_source, pytest.mark.timeout(120)]
+pytestmark = [needs_sglang_source, pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
 
 PROMPTS = [[3, 17, 42, 5], [9, 9, 1], [60, 2, 33, 7, 11], [4], [80, 81], [5, 6, 7], [12, 13], [99, 1, 2]]
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_testing import make_engine, needs_sglang_source
+from sglang_testing import DOUBLES_TIMEOUT_S, make_engine, needs_sglang_source
 
 from megatron_rl.config import load_config
 from megatron_rl.loop.build import kv_scales_source
 from megatron_rl.rollout.sglang_payload import kv_scale_tensors
 from megatron_rl.sync.sglang_transport import SGLangTensorTransport
 
-pytestmark = [pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
 
 
 def _update(engine, model_dir, extra=()):

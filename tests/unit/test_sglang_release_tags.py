@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_testing import make_engine, needs_sglang_source
+from sglang_testing import DOUBLES_TIMEOUT_S, make_engine, needs_sglang_source
 
 from megatron_rl.loop.colocated import RELEASE_TAGS, RESUME_AFTER_SYNC
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_engine import RolloutUnavailableError
 from megatron_rl.sync.sglang_transport import SGLangTensorTransport
 
-pytestmark = [needs_sglang_source, pytest.mark.timeout(120)]
+pytestmark = [needs_sglang_source, pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
 
 
 def _update(engine, model_dir):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router_protocol import CacheAware, Unprocessable, parse_generate
-from sglang_testing import free_port_block, make_engine, needs_sglang_source
+from sglang_testing import DOUBLES_TIMEOUT_S, free_port_block, make_engine, needs_sglang_source
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout import sglang_engine as engine_mod
@@ -56,7 +56,7 @@ def routed(qwen2_dir):
 
 
 @needs_sglang_source
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(DOUBLES_TIMEOUT_S)
 def test_generate_through_the_router_reaches_both_servers(routed):
     samples = routed.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=3, n=2, ignore_eos=True))
     assert [s.prompt_index for s in samples] == [i for i in range(len(PROMPTS)) for _ in range(2)]
@@ -66,7 +66,7 @@ def test_generate_through_the_router_reaches_both_servers(routed):
 
 
 @needs_sglang_source
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(DOUBLES_TIMEOUT_S)
 def test_a_refused_request_is_reported_once_not_retried(routed, monkeypatch):
     def list_body(rows, sampling):  # the body before the fix: one sampling_params entry per row
         return {"input_ids": [p for _, p, _ in rows], "return_logprob": True,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_testing import make_engine, needs_sglang_source
+from sglang_testing import DOUBLES_TIMEOUT_S, make_engine, needs_sglang_source
 
-pytestmark = [needs_sglang_source, pytest.mark.timeout(120)]
+pytestmark = [needs_sglang_source, pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
 
 
 def test_a_server_found_dead_after_shutdown_is_not_restarted(qwen2_dir):

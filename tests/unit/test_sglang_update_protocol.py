@@ -4,31 +4,17 @@ FP8 KV with unit scales, the whole rollout.sglang section on every launched serv
 from __future__ import annotations
 
 import logging
-import subprocess
 import threading
 import time
 
 import pytest
-import torch
 
-from sglang_testing import API_KEY, SERVER_COMMAND, free_port_block
+from sglang_testing import API_KEY, DOUBLES_TIMEOUT_S, start_double
 
-from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError
+from megatron_rl.rollout.sglang_client import SGLangHTTPError
 from megatron_rl.rollout.sglang_config import SGLangConfig
 
-pytestmark = pytest.mark.timeout(120)
-
-
-def start_double(model_dir, *flags):
-    port = free_port_block(1)
-    proc = subprocess.Popen([*SERVER_COMMAND, "--model-path", str(model_dir), "--port", str(port),
-                             "--api-key", API_KEY, *flags])
-    client = SGLangClient(f"http://127.0.0.1:{port}", API_KEY, timeout_s=60)
-    deadline = time.monotonic() + 60
-    while not client.healthy("/health"):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    return proc, client.url
+pytestmark = pytest.mark.timeout(DOUBLES_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

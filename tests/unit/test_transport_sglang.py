@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sglang_protocol as proto
-from sglang_testing import free_port_block, make_engine, needs_sglang_source
+from sglang_testing import DOUBLES_TIMEOUT_S, free_port_block, make_engine, needs_sglang_source
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_payload import (distributed_spec, flatten_bucket, serialize_flattened,
@@ -21,7 +21,7 @@ from megatron_rl.sync.buckets import iter_buckets
 from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.sync.transport import tensor_digest
 
-pytestmark = [needs_sglang_source, pytest.mark.timeout(240)]  # three server doubles and a restart: 121 s on a loaded machine
+pytestmark = [needs_sglang_source, pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
 
 
 def test_flattening_orders_by_element_size_so_offsets_stay_aligned():
