@@ -200,6 +200,7 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
     with ThreadPoolExecutor(max_children) as pool, open(work / "spawned.log", "a") as log:
         for name, status in pool.map(judge, orphans):
             log.write(f"{name}: {status}\n")
+            log.flush()  # progress is readable while the stage runs
             statuses[name] = status
     return statuses
 
