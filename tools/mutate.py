@@ -120,6 +120,9 @@ SPAWNED["megatron_rl/loop/phases.py"].update({
        for name in ("_broadcast_from_engine_rank", "_score_on_engine_rank", "_sample_round", "_shard")},
     "generate": ["tests/dist/test_rl_loop_grid.py"],  # DP=2 dynamic sampling: each replica's share of the kept groups
 })
+# The reward worker's daemon flag shows only in an interpreter's exit: a script run as a subprocess.
+SPAWNED["megatron_rl/rewards/runner.py"] = {
+    "_ensure_worker": ["tests/unit/test_rewards_worker.py::test_a_script_that_never_closes_its_runner_still_exits"]}
 SPAWNED_LIMIT_S = 600.0  # one mutant's run of its spawned tests (a passing run: 20-140 s on 2 cores)
 
 

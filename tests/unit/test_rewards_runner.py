@@ -114,31 +114,6 @@ def test_bad_arguments():
         runner.score(["a", "b"], ["a"])
 
 
-def test_a_script_that_never_closes_its_runner_still_exits():
-    """The worker is a daemon: at exit multiprocessing ends it; a non-daemon worker would be joined
-    while it waits for its next batch, and the script would never end."""
-    import subprocess
-    import sys
-
-    script = ("from megatron_rl.rewards import RewardRunner, exact_match\n"
-              "runner = RewardRunner(exact_match, timeout_s=5.0)\n"
-              "print(runner.score(['a'], ['a'])[0])\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "[1.0]", done.stderr
-
-
-def test_close_does_not_wait_for_a_busy_worker():
-    """close() asks the worker to stop, and kills it when it does not within 1 s (a function still
-    running after an interrupted score())."""
-    runner = RewardRunner(lambda r, a: time.sleep(3600), timeout_s=5.0)
-    runner._ensure_worker().send([(0, "x", "x", {})])
-    worker = runner._proc
-    start = time.monotonic()
-    runner.close()
-    assert time.monotonic() - start < 60  # not the function's hour
-    assert not worker.is_alive()
-
-
 def test_worker_ends_when_its_parent_is_killed():
     """A rank SIGKILLed mid-run (a dead peer, the OOM killer) must not leave its reward worker
     behind: orphaned, it escapes a scheduler that ends a job by its process tree."""

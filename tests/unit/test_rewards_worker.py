@@ -4,6 +4,7 @@ real worker process; this file sees it from the inside, item by item.)"""
 
 import logging
 import multiprocessing as mp
+import time
 
 import pytest
 
@@ -278,6 +279,18 @@ def test_close_stops_the_worker_politely():
         runner.score(["a"], ["a"])
         worker = runner._proc
     assert worker.exitcode == 0  # it read the stop message and returned; not killed
+
+
+def test_close_does_not_wait_for_a_busy_worker():
+    """close() asks the worker to stop, and kills it when it does not within 1 s (a function still
+    running after an interrupted score())."""
+    runner = RewardRunner(lambda r, a: time.sleep(3600), timeout_s=5.0)
+    runner._ensure_worker().send([(0, "x", "x", {})])
+    worker = runner._proc
+    start = time.monotonic()
+    runner.close()
+    assert time.monotonic() - start < 60  # not the function's hour
+    assert not worker.is_alive()
 
 
 def test_a_script_that_never_closes_its_runner_still_exits():
