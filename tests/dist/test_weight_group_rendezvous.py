@@ -29,6 +29,8 @@ def _worker(rank: int, world_size: int, port: int):
     if rank == 0:
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as inside a torchrun worker
         group = collectives.rendezvous_group_as_rank0("127.0.0.1", port, 2, GROUP, "gloo", timeout)
+        # registered with torch like any group of its own world: its ranks translate
+        assert torch.distributed.get_process_group_ranks(group) == [0, 1]
         sent = collectives.broadcast(torch.arange(6, dtype=torch.float32), group_src=0, group=group)
         collectives.destroy_group(group)  # the weight group alone: there is no default group here
         return sent

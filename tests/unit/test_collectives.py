@@ -51,3 +51,23 @@ def test_the_check_sees_a_direct_call(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch.distributed as dist\nimport torch\ntorch.distributed.barrier()\n")
     assert _direct_uses(bad) == ["torch.distributed", "torch.distributed.barrier"]
+
+
+@pytest.mark.timeout(60, method="thread")  # the store's wait is C++: a signal would wait for it
+def test_a_weight_group_nobody_joins_fails_after_its_own_timeout():
+    """SGLang servers that never join: the trainer's side gives up after the timeout it was given
+    (the job's), not torch's default store timeout of 5 minutes."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import DistStoreError
+
+    from sglang_testing import free_port_block
+
+    from megatron_rl import collectives
+
+    start = time.monotonic()
+    with pytest.raises(DistStoreError, match="clients joined"):
+        collectives.rendezvous_group_as_rank0("127.0.0.1", free_port_block(1), 2, "megatron_rl_weights_9", "gloo",
+                                              timedelta(seconds=2))
+    assert time.monotonic() - start < 30
