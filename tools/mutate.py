@@ -123,6 +123,11 @@ SPAWNED["megatron_rl/loop/phases.py"].update({
 # The reward worker's daemon flag shows only in an interpreter's exit: a script run as a subprocess.
 SPAWNED["megatron_rl/rewards/runner.py"] = {
     "_ensure_worker": ["tests/unit/test_rewards_worker.py::test_a_script_that_never_closes_its_runner_still_exits"]}
+# The colocated tensor transport's gather: its ranks are processes (a host's GPUs), two in the test.
+SPAWNED["megatron_rl/sync/sglang_transport.py"] = {
+    name: ["tests/dist/test_ipc_gather.py"]
+    for name in ("GlooGather.__init__", "GlooGather.__call__", "GlooGather.done", "ipc_peer", "payloads_for_server",
+                 "SGLangTensorTransport.__init__", "SGLangTensorTransport.send")}
 SPAWNED_LIMIT_S = 600.0  # one mutant's run of its spawned tests (a passing run: 20-140 s on 2 cores)
 
 
@@ -171,6 +176,18 @@ def _plain_name(function: str) -> str:
     return function.rsplit(".", 1)[-1].rsplit("ǁ", 1)[-1].removeprefix("x_")
 
 
+def _spawned_tests(spawned: dict[str, list[str]], mutant: str) -> list[str] | None:
+    """A mutant's spawned tests: by `Class.method`, then by the plain function or method name,
+    then the module's "*" (None: the function has none)."""
+    mangled = mutant.partition("__mutmut_")[0].rsplit(".", 1)[-1]
+    parts = mangled.split("ǁ")
+    keys = [f"{parts[1]}.{parts[2]}"] if len(parts) == 3 else []
+    for key in [*keys, _plain_name(mangled), "*"]:
+        if key in spawned:
+            return spawned[key]
+    return None
+
+
 def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], max_children: int) -> dict[str, str]:
     """Run each surviving (or untested) mutant of a function listed in SPAWNED against that
     function's multi-process tests, and return the statuses with theirs updated.
@@ -184,11 +201,10 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
 
     spawned = SPAWNED[module]
     orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived")
-                     and (_plain_name(name.partition("__mutmut_")[0]) in spawned or "*" in spawned))
+                     and _spawned_tests(spawned, name) is not None)
 
     def judge(name: str) -> tuple[str, str]:
-        plain = _plain_name(name.partition("__mutmut_")[0])
-        tests = spawned[plain] if plain in spawned else spawned["*"]
+        tests = _spawned_tests(spawned, name)
         try:
             proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                                   cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),

@@ -127,6 +127,25 @@ def test_tensor_transport_delivers_exactly_what_was_sent(engine, qwen2_dir):
     assert len(sample.rollout_logprobs) == 3
 
 
+def test_tensor_transport_refuses_tp_servers_without_a_gather(monkeypatch):
+    """SGLang's TP rank r opens only payload r, a handle on its own GPU: one payload for a TP=2
+    server would leave rank 1 without weights. Refused before any server is paused; a gather over
+    the server's GPUs passes the check."""
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.sync.sglang_transport import SGLangTensorTransport
+
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", "k")
+    engine = SGLangEngine(SGLangConfig(server_urls=["http://127.0.0.1:9"], tp_size=2), "unused", start=False)
+    with pytest.raises(ValueError) as refused:
+        SGLangTensorTransport(engine).begin(1)
+    assert str(refused.value) == (
+        "rollout.sglang.tp_size > 1 with the tensor transport: SGLang's TP rank r opens only payload r "
+        "(managers/tp_worker.py deserialize_own_rank), a handle of memory on its own GPU; give the "
+        "transport a gather over the server's GPUs (GlooGather)")
+    SGLangTensorTransport(engine, gather=lambda payload: None)._check_gather()
+
+
 def test_reusing_the_ipc_buffer_corrupts_weights(engine, qwen2_dir):
     """Why the transport never reuses a buffer: the server copies later than it answers."""
     named = dict(payload(qwen2_dir, 2))
