@@ -196,7 +196,7 @@ class SGLangNcclTransport:
         with self.lock:
             if self.group is not None:
                 self.engine.broadcast("/destroy_weights_update_group", {"group_name": self._name()},
-                                      servers=[s for s in self.engine.servers if s.restarts == 0])
+                                      servers=self._holders())
                 collectives.destroy_group(self.group)
                 self._epoch += 1
             world, offsets = 1, []
@@ -214,6 +214,11 @@ class SGLangNcclTransport:
                 for call in calls:
                     call.result()
 
+    def _holders(self) -> list:
+        """The servers that joined the current group: the processes it was formed with. One restarted
+        since never had it; one restarted before (and then joined) does."""
+        return [s for s in self.engine.servers if (s.url, s.restarts) in self._members]
+
     def _name(self) -> str:
         return f"{self.group_name}_{self._epoch}"
 
@@ -225,7 +230,7 @@ class SGLangNcclTransport:
                 return
             try:
                 self.engine.broadcast("/destroy_weights_update_group", {"group_name": self._name()},
-                                      servers=[s for s in self.engine.servers if s.restarts == 0])
+                                      servers=self._holders())
             except Exception as err:  # the run is over: a server already gone must not fail it
                 log.warning("weight group %s: servers not told to leave it (%s)", self._name(), err)
             finally:

@@ -222,12 +222,13 @@ def _log_of(server) -> list[str]:
 def test_a_restarted_server_gets_a_fresh_group_and_every_server_its_own_ranks(fp8_dir, qwen2_dir):
     """Two servers (ranks 1 and 2 of the group); server 1 dies and is restarted with the checkpoint:
     the next sync destroys the old group on the server that still has it, forms a new one (next
-    name, next port) with both, and both end up holding exactly what was sent."""
+    name, next port) with both, and both end up holding exactly what was sent. Then server 0 dies:
+    the group moves on once more."""
     from megatron_rl.sync.sglang_transport import SGLangNcclTransport
 
     engine = make_engine(fp8_dir, num_servers=2)
     try:
-        transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True)
+        transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(3), backend="gloo", check=True)
         run_sync(transport, payload(qwen2_dir, 1), 1)
         first = transport.group
         dead = engine.servers[1]
@@ -241,6 +242,20 @@ def test_a_restarted_server_gets_a_fresh_group_and_every_server_its_own_ranks(fp
         assert _log_of(engine.servers[0]) == ["/init_weights_update_group", "/destroy_weights_update_group",
                                               "/init_weights_update_group"]
         assert _log_of(dead) == ["/init_weights_update_group"]  # the restarted process never had the old one
+        for server in engine.servers:
+            held = server.client.get("/_double/hf_digests")
+            assert {n: held[n] for n, _ in named} == as_held(named), server.url
+        # A second restart (the other server): the group moves on again, to the third name and port.
+        other = engine.servers[0]
+        other.process.proc.kill()
+        other.process.proc.wait()
+        engine._check_server(other)
+        named = payload(qwen2_dir, 3)
+        run_sync(transport, named, 3)
+        assert transport._name() == "megatron_rl_weights_2"
+        assert _log_of(dead) == ["/init_weights_update_group", "/destroy_weights_update_group",
+                                 "/init_weights_update_group"]
+        assert _log_of(other) == ["/init_weights_update_group"]
         for server in engine.servers:
             held = server.client.get("/_double/hf_digests")
             assert {n: held[n] for n, _ in named} == as_held(named), server.url
