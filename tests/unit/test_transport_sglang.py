@@ -22,6 +22,7 @@ from megatron_rl.fp8.rollout_quant import RolloutQuantSpec, quantize_for_rollout
 from megatron_rl.sync.transport import tensor_digest
 
 pytestmark = [needs_sglang_source, pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
+GROUP_TIMEOUT_S = 60  # a weight group's rendezvous and broadcasts: seconds here; a broken one fails, not hangs
 
 
 def test_flattening_orders_by_element_size_so_offsets_stay_aligned():
@@ -165,7 +166,8 @@ def test_reusing_the_ipc_buffer_corrupts_weights(engine, qwen2_dir):
 def test_nccl_transport_broadcasts_flattened_buckets(engine, qwen2_dir):
     from megatron_rl.sync.sglang_transport import SGLangNcclTransport
 
-    transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True)
+    transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True,
+                                    timeout_s=GROUP_TIMEOUT_S)
     for version in (3, 4):
         named = payload(qwen2_dir, version)
         before = len(requests_seen(engine))
@@ -181,7 +183,8 @@ def test_nccl_transport_broadcasts_flattened_buckets(engine, qwen2_dir):
     assert requests_seen(engine)[-1] == "/destroy_weights_update_group" and transport.group is None
     transport.close()  # a second close has nothing left to do
     assert requests_seen(engine)[-1] == "/destroy_weights_update_group"
-    again = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True)
+    again = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(2), backend="gloo", check=True,
+                                timeout_s=GROUP_TIMEOUT_S)
     again._init_group()  # the servers and this rank form the group under the same name again
     assert again._name() == "megatron_rl_weights_0" and requests_seen(engine)[-1] == "/init_weights_update_group"
     again.close()
@@ -228,7 +231,8 @@ def test_a_restarted_server_gets_a_fresh_group_and_every_server_its_own_ranks(fp
 
     engine = make_engine(fp8_dir, num_servers=2)
     try:
-        transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(3), backend="gloo", check=True)
+        transport = SGLangNcclTransport(engine, "127.0.0.1", free_port_block(3), backend="gloo", check=True,
+                                        timeout_s=GROUP_TIMEOUT_S)
         run_sync(transport, payload(qwen2_dir, 1), 1)
         first = transport.group
         dead = engine.servers[1]
