@@ -30,7 +30,7 @@ test: setup
 	$(VENV)/bin/lint-imports --no-cache  # the layering contract (.importlinter); a violation names the import
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
-mutate: setup  # mutation testing of the orchestration tier (about two hours on 2 cores; not in CI): docs/testing.md
+mutate: setup  # mutation testing of the orchestration tier (about 12 hours on 2 cores for every module, a module at a time; not in CI): docs/testing.md
 	$(PY) -m pip install -q -e ".[mutate]"
 	$(PY) tools/mutate.py
 

@@ -6,8 +6,8 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,22 +69,23 @@ def _free(port: int) -> bool:
 
 
 def start_double(model_dir: Path, *flags: str):
-    """One server double on a free port, healthy: (process, its URL); the caller kills it."""
+    """One server double on a free port, healthy by the engine's own wait (`wait_healthy`, which
+    names a double that exits and shows its log): (its Popen, its URL); the caller kills it."""
     from megatron_rl.rollout.sglang_client import SGLangClient
+    from megatron_rl.rollout.sglang_server import ManagedProcess, Server, wait_healthy
 
     port = free_port_block(1)
-    proc = subprocess.Popen([*SERVER_COMMAND, "--model-path", str(model_dir), "--port", str(port),
-                             "--api-key", API_KEY, *flags])
-    client = SGLangClient(f"http://127.0.0.1:{port}", API_KEY, timeout_s=60)
-    deadline = time.monotonic() + START_S
-    while not client.healthy("/health"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server double on port {port} " + (
-                f"exited with code {proc.returncode}" if proc.returncode is not None
-                else f"not healthy after {START_S:.0f} s"))
-        time.sleep(0.2)
-    return proc, client.url
+    proc = ManagedProcess([*SERVER_COMMAND, "--model-path", str(model_dir), "--port", str(port),
+                           "--api-key", API_KEY, *flags], dict(os.environ),
+                          Path(tempfile.mkdtemp(prefix="sglang_double_")) / "server.log")
+    proc.start()
+    server = Server(SGLangClient(f"http://127.0.0.1:{port}", API_KEY, timeout_s=60), process=proc)
+    try:
+        wait_healthy([server], START_S)
+    except RuntimeError:
+        proc.stop()
+        raise
+    return proc.proc, server.url
 
 
 def double_argv(cfg, model_dir: Path, extra_by_server: dict[int, list[str]] | None = None):
