@@ -144,10 +144,19 @@ def wait_healthy(servers: list[Server], timeout_s: float, poll_s: float = 0.5) -
     for server in servers:
         while not server.client.healthy("/health", timeout_s=5.0):
             if server.process is not None and not server.process.alive():
-                tail = server.process.log_tail()
-                where = f"; the end of {server.process.log_path}:\n{tail}" if tail else " (no log kept)"
                 raise RuntimeError(f"SGLang server {server.url} exited during startup "
-                                   f"(exit code {server.process.proc.returncode}){where}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang server {server.url} not healthy after {timeout_s:.0f} s")
+                                   f"(exit code {server.process.proc.returncode}){_log_end(server)}")
+            if time.monotonic() > deadline:  # still loading, or stuck: what it printed last says which
+                raise RuntimeError(f"SGLang server {server.url} not healthy after {timeout_s:.0f} s{_log_end(server)}")
             time.sleep(poll_s)
+
+
+def _log_end(server: Server) -> str:
+    """The end of a launched server's log, for an error about its start."""
+    if server.process is None:
+        return ""
+    log = server.process.log_path
+    if log is None:
+        return " (no log kept)"
+    tail = server.process.log_tail()
+    return f"; the end of {log}:\n{tail}" if tail else f"; {log} is empty"

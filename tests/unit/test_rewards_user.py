@@ -66,7 +66,7 @@ def reward_pkg(tmp_path, monkeypatch):
 
 def test_file_reward_per_sample_with_components_and_extra(reward_file):
     fn = get_reward_fn(f"{reward_file}:scored")
-    with RewardRunner(fn, timeout_s=5.0) as runner:
+    with RewardRunner(fn, timeout_s=60.0) as runner:
         rewards, stats = runner.score(["42", "41", " 7 "], ["42", "42", "7"],
                                       extras=[{"level": "hard", "source": "x"}, {"level": "easy"}, {}])
     assert rewards == [1.5, 0.0, 1.0]
@@ -77,14 +77,14 @@ def test_file_reward_per_sample_with_components_and_extra(reward_file):
 
 def test_module_reward_gets_every_extra_with_kwargs(reward_pkg):
     fn = get_reward_fn(f"{reward_pkg}:takes_all")
-    with RewardRunner(fn, timeout_s=5.0) as runner:
+    with RewardRunner(fn, timeout_s=60.0) as runner:
         rewards, stats = runner.score(["a", "b"], ["a", "b"], extras=[{"x": 1, "y": 2}, {"x": 3}])
     assert rewards == [2.0, 1.0] and "components" not in stats and "preds" not in stats
 
 
 def test_module_reward_batched(reward_pkg):
     fn = get_reward_fn(f"{reward_pkg}:batched", batched=True)
-    with RewardRunner(fn, timeout_s=5.0, batched=True) as runner:
+    with RewardRunner(fn, timeout_s=60.0, batched=True) as runner:
         rewards, stats = runner.score(["1", "2", "3"], ["1", "2", "0"],
                                       extras=[{"level": "hard"}, {"level": "easy"}, {"level": "hard"}])
     assert rewards == [2.0, 1.0, 0.0] and stats == {"num_errors": 0, "num_timeouts": 0}
@@ -92,17 +92,17 @@ def test_module_reward_batched(reward_pkg):
 
 def test_batched_failures_score_the_batch_zero(reward_file):
     for name, reason in (("batched_raises", "grader down"), ("batched_short", "length 1 for 2 samples")):
-        with RewardRunner(get_reward_fn(f"{reward_file}:{name}", batched=True), timeout_s=5.0, batched=True) as runner:
+        with RewardRunner(get_reward_fn(f"{reward_file}:{name}", batched=True), timeout_s=60.0, batched=True) as runner:
             rewards, stats = runner.score(["a", "b"], ["a", "b"])
         assert rewards == [0.0, 0.0] and stats == {"num_errors": 2, "num_timeouts": 0}, (name, reason)
 
 
 def test_raising_hanging_and_malformed_user_rewards_are_contained(reward_file, caplog):
     fn = get_reward_fn(f"{reward_file}:picky")
-    with RewardRunner(fn, timeout_s=1.0) as runner:
+    with RewardRunner(fn, timeout_s=3.0) as runner:
         start = time.monotonic()
         rewards, stats = runner.score(["ok", "raise", "hang", "nodict", "ok"], ["x"] * 5)
-        assert time.monotonic() - start < 10.0
+        assert time.monotonic() - start < 30.0
     assert rewards == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert stats == {"num_errors": 2, "num_timeouts": 1}
     assert "reward dict without 'score'" in caplog.text

@@ -153,7 +153,7 @@ def test_the_runner_keeps_its_settings():
 
 
 def test_only_the_extras_the_function_names_reach_it():
-    with RewardRunner(scored, timeout_s=5.0) as runner:
+    with RewardRunner(scored, timeout_s=60.0) as runner:
         rewards, stats = runner.score(["a", "a"], ["a", "b"], extras=[{"bonus": 1.0, "other": 9}, {"bonus": 0.5}])
         assert rewards == [2.0, 0.5] and stats == {"num_errors": 0, "num_timeouts": 0}
         with pytest.raises(ValueError, match=r"^2 responses but 2 answers and 1 extras$"):
@@ -161,7 +161,7 @@ def test_only_the_extras_the_function_names_reach_it():
 
 
 def test_the_worker_persists_and_a_dead_one_is_replaced_once(caplog):
-    with RewardRunner(scored, timeout_s=5.0) as runner:
+    with RewardRunner(scored, timeout_s=60.0) as runner:
         runner.score(["a"], ["a"])
         first = runner._proc
         runner.score(["b"], ["b"])
@@ -176,7 +176,7 @@ def test_the_worker_persists_and_a_dead_one_is_replaced_once(caplog):
 def test_only_the_first_failures_are_logged_but_all_are_counted(caplog):
     responses = ["raise"] * (MAX_LOGGED_FAILURES + 3)
     with caplog.at_level(logging.WARNING, logger="megatron_rl.rewards.runner"):
-        with RewardRunner(scored, timeout_s=5.0) as runner:
+        with RewardRunner(scored, timeout_s=60.0) as runner:
             rewards, stats = runner.score(responses, ["a"] * len(responses))
     assert rewards == [0.0] * len(responses) and stats["num_errors"] == MAX_LOGGED_FAILURES + 3
     assert MAX_LOGGED_FAILURES == 5
@@ -211,7 +211,7 @@ def test_a_function_taking_any_keyword_gets_every_extra_column():
     def everything(response, answer, **extra):
         return float(sum(extra.values()))
 
-    with RewardRunner(everything, timeout_s=5.0) as runner:
+    with RewardRunner(everything, timeout_s=60.0) as runner:
         assert runner.score(["a"], ["a"], extras=[{"x": 1.0, "y": 2.0}])[0] == [3.0]
         with pytest.raises(ValueError, match=r"^2 responses but 1 answers$"):
             runner.score(["a", "b"], ["a"])
@@ -224,7 +224,7 @@ def _batched(responses, answers):
 
 def test_a_batched_item_that_is_no_reward_scores_zero_alone(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_rl.rewards.runner"):
-        with RewardRunner(_batched, timeout_s=5.0, batched=True) as runner:
+        with RewardRunner(_batched, timeout_s=60.0, batched=True) as runner:
             rewards, stats = runner.score(["a", "b", "c"], ["a", "b", "c"])
     assert rewards == [1.0, 0.0, 2.0]
     assert stats == {"num_errors": 1, "num_timeouts": 0, "preds": [None, None, "x"]}
@@ -244,7 +244,7 @@ def _exit_on_die(responses, answers):
 def test_a_worker_that_dies_is_an_error_and_each_death_is_a_restart(caplog, batched):
     with caplog.at_level(logging.WARNING, logger="megatron_rl.rewards.runner"):
         fn = _exit_on_die if batched else (lambda r, a: _exit_on_die([r], [a])[0])
-        with RewardRunner(fn, timeout_s=5.0, batched=batched) as runner:
+        with RewardRunner(fn, timeout_s=60.0, batched=batched) as runner:
             for call in (1, 2):
                 rewards, stats = runner.score(["die", "b"], ["a", "b"])
                 # batched: the death fails the whole batch; per sample: the dead item, then a new worker
@@ -275,7 +275,7 @@ def test_a_batched_timeout_logs_only_the_first_failures():
 
 
 def test_close_stops_the_worker_politely():
-    with RewardRunner(scored, timeout_s=5.0) as runner:
+    with RewardRunner(scored, timeout_s=60.0) as runner:
         runner.score(["a"], ["a"])
         worker = runner._proc
     assert worker.exitcode == 0  # it read the stop message and returned; not killed
@@ -284,7 +284,7 @@ def test_close_stops_the_worker_politely():
 def test_close_does_not_wait_for_a_busy_worker():
     """close() asks the worker to stop, and kills it when it does not within 1 s (a function still
     running after an interrupted score())."""
-    runner = RewardRunner(lambda r, a: time.sleep(120), timeout_s=5.0)
+    runner = RewardRunner(lambda r, a: time.sleep(120), timeout_s=60.0)
     runner._ensure_worker().send([(0, "x", "x", {})])
     worker = runner._proc
     start = time.monotonic()
@@ -306,7 +306,7 @@ def test_a_script_that_never_closes_its_runner_still_exits():
 
 
 def test_a_worker_found_dead_between_calls_is_replaced_each_time():
-    with RewardRunner(scored, timeout_s=5.0) as runner:
+    with RewardRunner(scored, timeout_s=60.0) as runner:
         for deaths in (1, 2):
             runner.score(["a"], ["a"])
             runner._proc.kill()

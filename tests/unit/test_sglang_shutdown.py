@@ -44,17 +44,48 @@ def test_a_server_that_exits_at_startup_is_named_with_the_end_of_its_log(tmp_pat
     assert "line 11" in message and "line 10\n" not in message
 
 
+def test_a_server_stuck_at_startup_is_named_with_the_end_of_its_log(tmp_path):
+    """Still loading or stuck: the timeout error shows what the server printed last."""
+    import sys
+    import time
+
+    from megatron_rl.rollout.sglang_client import SGLangClient
+    from megatron_rl.rollout.sglang_server import ManagedProcess, Server, wait_healthy
+
+    log = tmp_path / "server.log"
+    stuck = "import time; print('Load weight begin', flush=True); time.sleep(120)"
+    proc = ManagedProcess([sys.executable, "-c", stuck], {}, log)
+    proc.start()
+    try:
+        while "Load weight begin" not in log.read_text():
+            time.sleep(0.05)
+        server = Server(SGLangClient("http://127.0.0.1:9", "k", 5.0), 1, proc)
+        with pytest.raises(RuntimeError) as err:
+            wait_healthy([server], timeout_s=0.2, poll_s=0.05)
+        assert str(err.value) == f"SGLang server http://127.0.0.1:9 not healthy after 0 s; the end of {log}:\nLoad weight begin"
+        log.write_text("")
+        with pytest.raises(RuntimeError, match=f"not healthy after 0 s; {log} is empty$"):
+            wait_healthy([server], timeout_s=0.2, poll_s=0.05)
+        server.process = None  # a server we did not launch (server_urls): nothing to show
+        with pytest.raises(RuntimeError, match="^SGLang server http://127.0.0.1:9 not healthy after 0 s$"):
+            wait_healthy([server], timeout_s=0.2, poll_s=0.05)
+    finally:
+        proc.proc.kill()
+        proc.proc.wait()
+
+
 @pytest.mark.parametrize("how", ["never_healthy", "first_exits"])
-def test_a_failed_start_stops_every_server_it_launched(how, tmp_path):
+def test_a_failed_start_stops_every_server_it_launched(how, tmp_path, monkeypatch):
     """A server that never answers /health (or one that exits while the other is still starting)
     fails the start; every process the engine launched is stopped, none left holding its GPU."""
     import sys
 
-    from sglang_testing import free_port_block
+    from sglang_testing import API_KEY, free_port_block
 
     from megatron_rl.rollout.sglang_config import SGLangConfig
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)  # not left to an earlier test's make_engine
     sleep = [sys.executable, "-c", "import time; time.sleep(300)"]
     exits = [sys.executable, "-c", "import sys; sys.exit(4)"]
     cfg = SGLangConfig(num_servers=2, base_port=free_port_block(2), startup_timeout_s=1.0)
