@@ -21,6 +21,7 @@ own process only, so a module's map should name in-process tests first.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -200,8 +201,12 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
     from concurrent.futures import ThreadPoolExecutor
 
     spawned = SPAWNED[module]
+    # A resumed run keeps the kills of earlier runs on the same source (tests only get stronger);
+    # survivors are judged again.
+    source = hashlib.sha256((ROOT / module).read_bytes()).hexdigest()
+    done = _spawned_kills(work / "spawned.log", source)
     orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived")
-                     and _spawned_tests(spawned, name) is not None)
+                     and _spawned_tests(spawned, name) is not None and name not in done)
 
     def judge(name: str) -> tuple[str, str]:
         tests = _spawned_tests(spawned, name)
@@ -215,13 +220,28 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
             raise RuntimeError(f"{name}: pytest exited {proc.returncode} on {tests}:\n{proc.stdout[-2000:]}")
         return name, "killed" if proc.returncode else "survived"
 
-    statuses = dict(statuses)
+    statuses = dict(statuses, **{name: done[name] for name in statuses if name in done})
     with ThreadPoolExecutor(max_children) as pool, open(work / "spawned.log", "a") as log:
+        log.write(f"# source {source}\n")
         for name, status in pool.map(judge, orphans):
             log.write(f"{name}: {status}\n")
             log.flush()  # progress is readable while the stage runs
             statuses[name] = status
     return statuses
+
+
+def _spawned_kills(log: Path, source: str) -> dict[str, str]:
+    """The mutants that earlier spawned stages killed (or timed out) on this source (its sha256),
+    from their log: "# source HASH" starts a stage, "NAME: STATUS" is a verdict."""
+    kills: dict[str, str] = {}
+    current = None
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        if line.startswith("# source "):
+            current = line.removeprefix("# source ")
+        elif current == source and line.endswith((": killed", ": timeout")):
+            name, status = line.rsplit(": ", 1)
+            kills[name] = status
+    return kills
 
 
 def _sample(work: Path, env: dict, n: int, seed: int, max_children: int, timeout_s: float) -> list[str]:
