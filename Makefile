@@ -28,7 +28,7 @@ surge: setup  # the entropy surge of vanilla NVFP4 and what prevents it (example
 
 test: setup
 	$(VENV)/bin/lint-imports --no-cache  # the layering contract (.importlinter); a violation names the import
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests  # the slowest tests are named in the log
 
 mutate: setup  # mutation testing of the orchestration tier (about 12 hours on 2 cores for every module, a module at a time; not in CI): docs/testing.md
 	$(PY) -m pip install -q -e ".[mutate]"

@@ -102,12 +102,43 @@ def init_parallel(tp: int = 1, pp: int = 1, *, backend: str | None = None,
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} "
                          f"x pipeline_model_parallel_size={pp}")
     apply_cpu_compat()
-    if mps.model_parallel_is_initialized():
-        mps.destroy_model_parallel()
-    mps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if not _initialized_as(mps, tp, pp):
+        _destroy_megatron_groups(mps)
+        registered = set(_registered_groups())
+        mps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        _MEGATRON_GROUPS.extend(g for g in _registered_groups() if g not in registered)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return current_parallel(backend)
+
+
+# The process groups Megatron's parallel_state made at the last init: its destroy_model_parallel()
+# only forgets them, and each gloo group keeps three threads until destroyed (a process that
+# re-initialized per run grew by 17 groups, 51 threads, every time).
+_MEGATRON_GROUPS: list[dist.ProcessGroup] = []
+
+
+def _registered_groups() -> list[dist.ProcessGroup]:
+    """Every process group torch.distributed holds (the default one included)."""
+    return list(dist.distributed_c10d._world.pg_map)  # no public listing of groups in torch 2.x
+
+
+def _initialized_as(mps, tp: int, pp: int) -> bool:
+    """parallel_state is live at these sizes on the current default group: a re-init would only
+    make the same groups again."""
+    return (mps.model_parallel_is_initialized() and bool(_MEGATRON_GROUPS)
+            and all(g in dist.distributed_c10d._world.pg_map for g in _MEGATRON_GROUPS)
+            and (mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size()) == (tp, pp))
+
+
+def _destroy_megatron_groups(mps) -> None:
+    """Forget parallel_state and destroy the groups it made (those still registered)."""
+    if mps.model_parallel_is_initialized():
+        mps.destroy_model_parallel()
+    for group in _MEGATRON_GROUPS:
+        if group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+    _MEGATRON_GROUPS.clear()
 
 
 def current_parallel(backend: str | None = None) -> ParallelInfo:
@@ -136,7 +167,6 @@ def destroy_parallel() -> None:
     """Tear down Megatron's parallel_state and the default process group (safe to call twice)."""
     from megatron.core import parallel_state as mps
 
-    if mps.model_parallel_is_initialized():
-        mps.destroy_model_parallel()
+    _destroy_megatron_groups(mps)
     if dist.is_initialized():
         dist.destroy_process_group()
