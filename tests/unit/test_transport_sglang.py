@@ -98,6 +98,12 @@ def held_digests(engine) -> dict[str, str]:
     return engine.servers[0].client.get("/_double/hf_digests")
 
 
+def served_versions(engine) -> list[str]:
+    """The weight version each server reports (SGLang tags every /generate answer with it, and the
+    engine refuses a sample whose tag is not its own version)."""
+    return [s.client.get("/model_info")["weight_version"] for s in engine.servers]
+
+
 def requests_seen(engine) -> list[str]:
     log = engine.servers[0].client.get("/_double/log")
     return [p for p in log if p not in ("/health", "/weights_checker", "/server_info") and not p.startswith("/_double")]
@@ -124,7 +130,7 @@ def test_tensor_transport_delivers_exactly_what_was_sent(engine, qwen2_dir):
     held = held_digests(engine)
     assert {n: held[n] for n, _ in named} == as_held(named)
     assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
-    assert engine.weight_version == 1
+    assert engine.weight_version == 1 and served_versions(engine) == ["1"] * len(engine.servers)
     sample = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
     assert len(sample.rollout_logprobs) == 3
 
@@ -179,7 +185,7 @@ def test_nccl_transport_broadcasts_flattened_buckets(engine, qwen2_dir):
         held = held_digests(engine)
         assert {n: held[n] for n, _ in named} == as_held(named)
         assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
-    assert engine.weight_version == 4
+    assert engine.weight_version == 4 and served_versions(engine) == ["4"] * len(engine.servers)
     transport.close()
     assert requests_seen(engine)[-1] == "/destroy_weights_update_group" and transport.group is None
     transport.close()  # a second close has nothing left to do
@@ -203,7 +209,7 @@ def test_disk_transport_to_sglang_loads_the_published_folder(engine, qwen2_dir, 
     held = held_digests(engine)
     assert {n: held[n] for n, _ in named} == as_held(named)
     assert transport.checksums([n for n, _ in named]) == {n: tensor_digest(t) for n, t in named}
-    assert engine.weight_version == 5
+    assert engine.weight_version == 5 and served_versions(engine) == ["5"] * len(engine.servers)
 
 
 def test_fp8_kv_cache_refuses_an_update_without_fresh_kv_scales_only_when_asked(monkeypatch):
