@@ -195,21 +195,45 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
 
     mutmut cannot map these tests (the calls happen in the ranks it spawns, not in its process), and
     mutmut 3.8 drops from its map every test its own selection does not list, so the tests run
-    here, outside its runner: pytest in the mutated copy with MUTANT_UNDER_TEST set, which the
-    spawned ranks inherit with the environment. A failing run kills the mutant; a run past the
-    limit is a timeout."""
+    here, outside its runner (`_judge_outside`); the spawned ranks inherit MUTANT_UNDER_TEST with
+    the environment."""
+    spawned = SPAWNED[module]
+    return _judge_outside(work, env, module, statuses, max_children, "spawned.log",
+                          lambda name: _spawned_tests(spawned, name), ("no tests", "survived"))
+
+
+def _confirm_survivors(work: Path, env: dict, module: str, statuses: dict[str, str],
+                       max_children: int) -> dict[str, str]:
+    """Run each survivor once more against the tests mutmut mapped to its function, outside
+    mutmut's runner. mutmut 3.8's forkserver runner has reported a mutant surviving that the same
+    tests kill when pytest runs them on it (SGLangNcclTransport.close__mutmut_7, fifth round): a
+    survivor is confirmed before anyone triages it."""
+    stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())["tests_by_mangled_function_name"]
+    return _judge_outside(work, env, module, statuses, max_children, "confirmed.log",
+                          lambda name: _mapped_tests(stats, name), ("survived",))
+
+
+def _mapped_tests(tests_by_function: dict[str, list[str]], mutant: str) -> list[str] | None:
+    """The tests mutmut's stats map to a mutant's function (None: none)."""
+    return sorted(tests_by_function.get(mutant.partition("__mutmut_")[0], [])) or None
+
+
+def _judge_outside(work: Path, env: dict, module: str, statuses: dict[str, str], max_children: int,
+                   log_name: str, tests_for, judged: tuple[str, ...]) -> dict[str, str]:
+    """Run each mutant whose status is in `judged` and which has tests (`tests_for(name)`, None:
+    none) against them: pytest in the mutated copy with MUTANT_UNDER_TEST set. A failing run kills
+    the mutant; a run past SPAWNED_LIMIT_S is a timeout. `.mutate/<module>/<log_name>` keeps each
+    verdict under the sha256 of the module's source, and a resumed run keeps the kills made on the
+    same source (tests only get stronger); survivors are judged again."""
     from concurrent.futures import ThreadPoolExecutor
 
-    spawned = SPAWNED[module]
-    # A resumed run keeps the kills of earlier runs on the same source (tests only get stronger);
-    # survivors are judged again.
     source = hashlib.sha256((ROOT / module).read_bytes()).hexdigest()
-    done = _spawned_kills(work / "spawned.log", source)
-    orphans = sorted(name for name, status in statuses.items() if status in ("no tests", "survived")
-                     and _spawned_tests(spawned, name) is not None and name not in done)
+    done = _spawned_kills(work / log_name, source)
+    todo = sorted(name for name, status in statuses.items() if status in judged
+                  and tests_for(name) is not None and name not in done)
 
     def judge(name: str) -> tuple[str, str]:
-        tests = _spawned_tests(spawned, name)
+        tests = tests_for(name)
         try:
             proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                                   cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
@@ -221,9 +245,9 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
         return name, "killed" if proc.returncode else "survived"
 
     statuses = dict(statuses, **{name: done[name] for name in statuses if name in done})
-    with ThreadPoolExecutor(max_children) as pool, open(work / "spawned.log", "a") as log:
+    with ThreadPoolExecutor(max_children) as pool, open(work / log_name, "a") as log:
         log.write(f"# source {source}\n")
-        for name, status in pool.map(judge, orphans):
+        for name, status in pool.map(judge, todo):
             log.write(f"{name}: {status}\n")
             log.flush()  # progress is readable while the stage runs
             statuses[name] = status
@@ -231,8 +255,8 @@ def _run_spawned(work: Path, env: dict, module: str, statuses: dict[str, str], m
 
 
 def _spawned_kills(log: Path, source: str) -> dict[str, str]:
-    """The mutants that earlier spawned stages killed (or timed out) on this source (its sha256),
-    from their log: "# source HASH" starts a stage, "NAME: STATUS" is a verdict."""
+    """The mutants that earlier stages outside mutmut's runner killed (or timed out) on this source
+    (its sha256), from their log: "# source HASH" starts a stage, "NAME: STATUS" is a verdict."""
     kills: dict[str, str] = {}
     current = None
     for line in log.read_text().splitlines() if log.is_file() else []:
@@ -281,8 +305,11 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
         # checked"; the next run, which finds the mutants generated, maps and checks them.
         if any(status != "not checked" for status in statuses.values()):
             break
+    if proc.returncode:  # e.g. "Failed to run clean test": the statuses are an earlier run's
+        raise RuntimeError(f"{module}: mutmut exited {proc.returncode}; see {work / 'mutmut.log'}")
     if module in SPAWNED:
         statuses = _run_spawned(work, env, module, statuses, max_children)
+    statuses = _confirm_survivors(work, env, module, statuses, max_children)
     counts = Counter(statuses.values())
     return {"module": module, "tests": tests, "seconds": round(time.monotonic() - t0, 1),
             "returncode": proc.returncode, "mutants": len(statuses),

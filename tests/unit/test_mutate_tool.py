@@ -38,3 +38,10 @@ def test_a_resumed_run_keeps_only_the_kills_made_on_the_same_source(tmp_path):
     assert mutate._spawned_kills(log, "new") == {"m.x_f__mutmut_3": "killed", "m.xǁCǁg__mutmut_5": "timeout",
                                                  "m.x_f__mutmut_7": "killed"}
     assert mutate._spawned_kills(log, "old") == {"m.x_f__mutmut_2": "killed", "m.x_f__mutmut_6": "killed"}
+
+
+def test_a_survivor_is_confirmed_against_the_tests_mapped_to_its_function():
+    stats = {"pkg.mod.xǁCǁsend": ["t.py::b", "t.py::a"], "pkg.mod.x_f": []}
+    assert mutate._mapped_tests(stats, "pkg.mod.xǁCǁsend__mutmut_12") == ["t.py::a", "t.py::b"]
+    assert mutate._mapped_tests(stats, "pkg.mod.x_f__mutmut_1") is None
+    assert mutate._mapped_tests(stats, "pkg.mod.x_g__mutmut_1") is None
