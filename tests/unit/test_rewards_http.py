@@ -26,7 +26,7 @@ class Server:
                 outer.bodies.append(body)
                 action = outer.script.pop(0) if outer.script else "ok"
                 if action == "slow":
-                    time.sleep(1.0)
+                    time.sleep(10.0)
                 if isinstance(action, int):
                     self.send_response(action)
                     self.end_headers()
@@ -46,6 +46,7 @@ class Server:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads, self.httpd.block_on_close = True, False  # close does not wait out "slow"
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -98,13 +99,14 @@ def test_client_errors_are_not_retried(server_factory):
 def test_timeout_is_retried_then_succeeds(server_factory):
     server = server_factory(["slow"])
     start = time.monotonic()
-    assert HttpReward(server.url, timeout_s=0.3, max_retries=1, backoff_s=0.01)(["a"], ["b"]) == [0.0]
-    assert len(server.bodies) == 2 and time.monotonic() - start < 5.0
+    # 2 s: a loaded host stalls for seconds, and the retry must be answered within it
+    assert HttpReward(server.url, timeout_s=2.0, max_retries=1, backoff_s=0.01)(["a"], ["b"]) == [0.0]
+    assert len(server.bodies) == 2 and time.monotonic() - start < 8.0  # the timeout and a retry, not the 10 s sleep
 
 
 def test_failing_server_is_contained_by_the_runner(server_factory):
     server = server_factory(["slow", "slow"])
-    remote = HttpReward(server.url, timeout_s=0.3, max_retries=1, backoff_s=0.01)
+    remote = HttpReward(server.url, timeout_s=2.0, max_retries=1, backoff_s=0.01)
     with RewardRunner(remote, timeout_s=remote.max_budget_s() + 5.0, batched=True) as runner:
         rewards, stats = runner.score(["a", "b"], ["a", "b"], extras=[{"dict": True}, {}])
         assert rewards == [0.0, 0.0] and stats == {"num_errors": 2, "num_timeouts": 0}

@@ -62,7 +62,8 @@ def test_a_server_stuck_at_startup_is_named_with_the_end_of_its_log(tmp_path):
         server = Server(SGLangClient("http://127.0.0.1:9", "k", 5.0), 1, proc)
         with pytest.raises(RuntimeError) as err:
             wait_healthy([server], timeout_s=0.2, poll_s=0.05)
-        assert str(err.value) == f"SGLang server http://127.0.0.1:9 not healthy after 0 s; the end of {log}:\nLoad weight begin"
+        assert str(err.value) == (f"SGLang server http://127.0.0.1:9 not healthy after 0 s; the end of {log}:\n"
+                                  "Load weight begin")
         log.write_text("")
         with pytest.raises(RuntimeError, match=f"not healthy after 0 s; {log} is empty$"):
             wait_healthy([server], timeout_s=0.2, poll_s=0.05)
