@@ -228,7 +228,7 @@ def _judge_outside(work: Path, env: dict, module: str, statuses: dict[str, str],
     from concurrent.futures import ThreadPoolExecutor
 
     source = hashlib.sha256((ROOT / module).read_bytes()).hexdigest()
-    done = _spawned_kills(work / log_name, source)
+    done = _earlier_kills(work / log_name, source)
     todo = sorted(name for name, status in statuses.items() if status in judged
                   and tests_for(name) is not None and name not in done)
 
@@ -244,7 +244,7 @@ def _judge_outside(work: Path, env: dict, module: str, statuses: dict[str, str],
             raise RuntimeError(f"{name}: pytest exited {proc.returncode} on {tests}:\n{proc.stdout[-2000:]}")
         return name, "killed" if proc.returncode else "survived"
 
-    statuses = dict(statuses, **{name: done[name] for name in statuses if name in done})
+    statuses = {name: done.get(name, status) for name, status in statuses.items()}
     with ThreadPoolExecutor(max_children) as pool, open(work / log_name, "a") as log:
         log.write(f"# source {source}\n")
         for name, status in pool.map(judge, todo):
@@ -254,7 +254,7 @@ def _judge_outside(work: Path, env: dict, module: str, statuses: dict[str, str],
     return statuses
 
 
-def _spawned_kills(log: Path, source: str) -> dict[str, str]:
+def _earlier_kills(log: Path, source: str) -> dict[str, str]:
     """The mutants that earlier stages outside mutmut's runner killed (or timed out) on this source
     (its sha256), from their log: "# source HASH" starts a stage, "NAME: STATUS" is a verdict."""
     kills: dict[str, str] = {}

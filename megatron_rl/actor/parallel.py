@@ -105,9 +105,9 @@ def init_parallel(tp: int = 1, pp: int = 1, *, backend: str | None = None,
     apply_cpu_compat()
     if not _initialized_as(mps, tp, pp):
         _destroy_megatron_groups(mps)
-        registered = set(_registered_groups())
+        registered = _registered_groups()
         mps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        _MEGATRON_GROUPS.extend(g for g in _registered_groups() if g not in registered)
+        _MEGATRON_GROUPS.extend(_registered_groups() - registered)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return current_parallel(backend)
@@ -119,16 +119,16 @@ def init_parallel(tp: int = 1, pp: int = 1, *, backend: str | None = None,
 _MEGATRON_GROUPS: list[dist.ProcessGroup] = []
 
 
-def _registered_groups() -> list[dist.ProcessGroup]:
+def _registered_groups() -> set[dist.ProcessGroup]:
     """Every process group torch.distributed holds (the default one included)."""
-    return list(dist.distributed_c10d._world.pg_map)  # no public listing of groups in torch 2.x
+    return set(dist.distributed_c10d._world.pg_map)  # no public listing of groups in torch 2.x
 
 
 def _initialized_as(mps, tp: int, pp: int) -> bool:
     """parallel_state is live at these sizes on the current default group: a re-init would only
     make the same groups again."""
     return (mps.model_parallel_is_initialized() and bool(_MEGATRON_GROUPS)
-            and all(g in dist.distributed_c10d._world.pg_map for g in _MEGATRON_GROUPS)
+            and _registered_groups().issuperset(_MEGATRON_GROUPS)
             and (mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size()) == (tp, pp))
 
 
@@ -136,9 +136,8 @@ def _destroy_megatron_groups(mps) -> None:
     """Forget parallel_state and destroy the groups it made (those still registered)."""
     if mps.model_parallel_is_initialized():
         mps.destroy_model_parallel()
-    for group in _MEGATRON_GROUPS:
-        if group in dist.distributed_c10d._world.pg_map:
-            dist.destroy_process_group(group)
+    for group in _registered_groups().intersection(_MEGATRON_GROUPS):
+        dist.destroy_process_group(group)
     _MEGATRON_GROUPS.clear()
 
 

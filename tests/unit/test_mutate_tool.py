@@ -23,7 +23,7 @@ def test_spawned_tests_are_found_by_method_then_name_then_star():
 
 def test_a_resumed_run_keeps_only_the_kills_made_on_the_same_source(tmp_path):
     log = tmp_path / "spawned.log"
-    assert mutate._spawned_kills(log, "new") == {}  # no log yet
+    assert mutate._earlier_kills(log, "new") == {}  # no log yet
     log.write_text("m.x_f__mutmut_1: killed\n"          # before any header: source unknown
                    "# source old\n"
                    "m.x_f__mutmut_2: killed\n"
@@ -35,9 +35,9 @@ def test_a_resumed_run_keeps_only_the_kills_made_on_the_same_source(tmp_path):
                    "m.x_f__mutmut_6: killed\n"
                    "# source new\n"
                    "m.x_f__mutmut_7: killed\n")
-    assert mutate._spawned_kills(log, "new") == {"m.x_f__mutmut_3": "killed", "m.xǁCǁg__mutmut_5": "timeout",
+    assert mutate._earlier_kills(log, "new") == {"m.x_f__mutmut_3": "killed", "m.xǁCǁg__mutmut_5": "timeout",
                                                  "m.x_f__mutmut_7": "killed"}
-    assert mutate._spawned_kills(log, "old") == {"m.x_f__mutmut_2": "killed", "m.x_f__mutmut_6": "killed"}
+    assert mutate._earlier_kills(log, "old") == {"m.x_f__mutmut_2": "killed", "m.x_f__mutmut_6": "killed"}
 
 
 def test_a_survivor_is_confirmed_against_the_tests_mapped_to_its_function():
