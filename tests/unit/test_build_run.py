@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -389,10 +390,12 @@ def test_a_disaggregated_owner_launches_its_servers_and_feeds_them_by_the_config
     monkeypatch.delenv("MEGATRON_RL_LOG_DIR", raising=False)
     cfg = _sglang_cfg(tmp_path, f"rollout.sglang.weight_transport={transport}", "sync.check=true",
                       f"rollout.sglang.disk_dir={tmp_path / 'shared'}", "rollout.sglang.nccl_master_addr=10.0.0.7",
-                      "rollout.sglang.nccl_master_port=29777")
+                      "rollout.sglang.nccl_master_port=29777", "train.seed=13")
     engine, sender = build.build_engine(cfg, qwen2_dir)  # rollout.engine=sglang
     try:
         assert sender.engine is engine and len(engine.servers) == 1
+        argv = engine.servers[0].process.argv
+        assert argv[argv.index("--random-seed") + 1] == "13"  # the servers sample with the run's seed
         assert engine.cfg.server_urls == [] and engine.cfg.base_port == cfg.rollout.sglang.base_port
         if transport == "nccl":
             assert type(sender) is SGLangNcclTransport and sender.checked.check
@@ -416,7 +419,8 @@ def test_a_colocated_client_attaches_to_its_hosts_servers_and_sends_nothing(qwen
     owner_cfg = _sglang_cfg(tmp_path, "rollout.sglang.mode=colocated", f"rollout.sglang.weight_transport={transport}",
                             f"rollout.sglang.disk_dir={tmp_path / 'shared'}", "sync.check=true")
     monkeypatch.setenv("MEGATRON_RL_LOG_DIR", str(tmp_path / "logs"))
-    placement = placement_for_config(owner_cfg, [owner_cfg.rollout.sglang.host], 2)  # 2 ranks, one server each
+    # the plan names the host "localhost", the section 127.0.0.1: each rank's logs go under the plan's name
+    placement = placement_for_config(owner_cfg, ["localhost"], 2)  # 2 ranks, one server each
     owner = client = None
     try:
         owner, sender = build.build_sglang(owner_cfg, qwen2_dir, placement, 0)
@@ -424,9 +428,10 @@ def test_a_colocated_client_attaches_to_its_hosts_servers_and_sends_nothing(qwen
         assert sender.engine is owner and len(owner.servers) == 2
         if transport == "tensor":
             assert sender.checked.check and sender.gather is None  # one sender; wire_ipc_gather adds the rest
-        assert (tmp_path / "logs" / owner_cfg.rollout.sglang.host).is_dir()
+        assert (tmp_path / "logs" / "localhost").is_dir()
         client, nothing = build.build_engine(owner_cfg, qwen2_dir, placement, 1)
         assert nothing is None
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["localhost"]
         assert [s.url for s in client.servers] == placement.servers_for(1)
     finally:
         for e in (client, owner):
@@ -502,3 +507,135 @@ def test_the_start_line_is_recorded_by_rank_0_even_in_a_log_folder_not_made_yet(
     assert caplog.messages == ["blockwise on dp=2"]
     assert json.loads((tmp_path / "runs" / "new" / "actor_settings.json").read_text()) == {
         "settings": {"params_dtype": "x"}, "train_recipe": "blockwise", "dp_size": 2, "summary": "blockwise on dp=2"}
+
+
+# --- the sixth round's gaps: what the built pieces take from the config, read on what they do --------
+
+
+def test_only_rank_0_writes_the_tiny_model_and_every_rank_reads_it_after_the_barrier(tmp_path, monkeypatch):
+    from megatron_rl import collectives
+    from megatron_rl.loop import warmstart
+
+    calls = []
+    monkeypatch.setattr(warmstart, "prepare_tiny_model", lambda cfg, cache: calls.append("prepare") or cache / "m")
+    monkeypatch.setattr(collectives, "barrier", lambda group: calls.append("barrier"))
+    cfg = _cfg(f"log.dir={tmp_path / 'run'}")
+    for rank, expected in ((0, ["prepare", "barrier", "prepare"]), (1, ["barrier", "prepare"]),
+                           (2, ["barrier", "prepare"])):
+        calls.clear()
+        assert build.build_model_dir(cfg, SimpleNamespace(rank=rank)) == tmp_path / ".tiny_models" / "m"
+        assert calls == expected, rank  # two ranks writing one folder at once would race
+
+
+def test_a_parquet_file_and_in_memory_records_are_read_with_the_sections_keys(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, tok = _data_cfg(tmp_path)
+    rows = [{"q": f"sort {i} {i + 2} {i + 1}", "a": f"{i} {i + 1} {i + 2}"} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mine.parquet")
+    data = load_config(None, ["data.prompt_key=q", "data.answer_key=a", "data.prompt_template=Please {prompt}"]).data
+    from_file = build.read_prompts(data, tok, str(tmp_path / "mine.parquet"))
+    in_memory = build.read_prompts(data, tok, records=rows)
+    for ds in (from_file, in_memory):
+        assert [p.answer for p in ds] == [r["a"] for r in rows]
+        assert [p.prompt_text for p in ds] == [f"Please {r['q']}" for r in rows]
+
+
+def _first_batches(tmp_path, *overrides: str) -> list[list[str]]:
+    cfg, tok = _data_cfg(tmp_path, "data.num_examples=12", "data.prompts_per_step=4", *overrides)
+    loader = build.build_data(cfg, tok, _Parallel(dp_size=1))
+    return [[p.answer for p in loader.next_batch()] for _ in range(3)]
+
+
+def test_the_loader_draws_the_tasks_prompts_with_the_runs_seed_and_shuffle(tmp_path):
+    import random
+
+    from megatron_rl.data.tasks import make_task_dataset
+
+    cfg, _ = _data_cfg(tmp_path)
+    for seed in (3, 4):
+        answers = [r["answer"] for r in make_task_dataset(cfg.data.task, 12, seed=seed)]
+        in_order = [answers[i:i + 4] for i in (0, 4, 8)]
+        assert _first_batches(tmp_path, f"train.seed={seed}", "data.shuffle=false") == in_order
+        order = list(range(12))  # the loader's documented draw: random.Random("prompt-loader:<seed>:<epoch>")
+        random.Random(f"prompt-loader:{seed}:0").shuffle(order)
+        shuffled = [[answers[i] for i in order[j:j + 4]] for j in (0, 4, 8)]
+        assert shuffled != in_order
+        assert _first_batches(tmp_path, f"train.seed={seed}", "data.shuffle=true") == shuffled
+
+
+def test_a_cap_by_epochs_is_logged_with_the_numbers_that_made_it(tmp_path, caplog):
+    cfg, tok = _data_cfg(tmp_path, "data.num_examples=12", "data.prompts_per_step=4", "data.num_epochs=1",
+                         "train.num_steps=5")
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+        build.build_data(cfg, tok, _Parallel(dp_size=1))
+    assert caplog.messages == ["data.num_epochs=1: 3 steps (train.num_steps=5 capped)"]
+
+
+def test_a_users_batched_reward_scores_the_whole_batch_in_one_call(tmp_path):
+    (tmp_path / "my_reward.py").write_text(
+        "import os\n"
+        "def score(responses, answers, **kw):\n"
+        "    return [float(len(responses)) + float(r == a) for r, a in zip(responses, answers)]\n")
+    r = build.build_rewards(_cfg(f"reward.name={tmp_path / 'my_reward.py'}:score", "reward.batched=true"))
+    try:
+        assert r.batched
+        rewards, _ = r.score(["a", "b", "c"], ["a", "x", "c"])
+        assert [float(v) for v in rewards] == [4.0, 3.0, 4.0]  # 3 responses seen at once, +1 when right
+    finally:
+        r.close()
+
+
+def test_a_megatron_checkpoint_gives_the_actor_and_the_reference_its_weights_and_a_fresh_optimizer(
+        make_run, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rl.convert.hf_to_megatron import convert_hf_to_megatron
+
+    start = Path(make_run().engine.stop_tokenizer_source)  # the tiny HF folder of the run
+    halved = tmp_path / "halved"
+    shutil.copytree(start, halved)
+    for f in halved.glob("*.safetensors"):
+        save_file({k: v * 0.5 for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    convert_hf_to_megatron(halved, tmp_path / "mcore", progress=False)
+    expected = make_run(f"model.hf_dir={halved}").actor  # the halved weights read from HF, independently
+    from megatron_rl.actor.actor import MegatronActor
+
+    read, load_hf = [], MegatronActor.load_hf
+    monkeypatch.setattr(MegatronActor, "load_hf", lambda self, d: read.append(d) or load_hf(self, d))
+    run = make_run(f"model.hf_dir={start}", f"model.megatron_ckpt={tmp_path / 'mcore'}", "algo.kl_loss_coef=0.1")
+    assert read == []  # the checkpoint's weights only: no HF read (16 GB per rank for an 8B model) overwritten
+    for model in (run.actor.model[0], run.ref.model[0]):
+        for (name, p), (_, q) in zip(model.named_parameters(), expected.model[0].named_parameters()):
+            assert torch.equal(p.detach(), q.detach()), name
+    assert not run.actor.optimizer.state_dict()["state"]  # model_only: the optimizer starts fresh
+
+
+def test_the_actor_trains_with_the_runs_fp8_recipe_and_the_reference_with_its_settings(make_run):
+    run = make_run("precision.train_recipe=tensorwise", "algo.kl_loss_coef=0.1")
+    expected = build.build_fp8_recipe(run.cfg)
+    a, ref = run.actor, run.ref
+    assert a.fp8_recipe is not None and a.fp8_recipe.enabled
+    assert (a.fp8_recipe.name, a.fp8_recipe.fp8_format) == (expected.name, expected.fp8_format)
+    assert ref.settings.to_dict() == a.settings.to_dict() == build.build_actor_settings(run.cfg).to_dict()
+
+
+def test_a_kv_calibration_reduces_over_the_runs_own_groups(make_run, monkeypatch):
+    run = make_run("rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.kv_scales=calibrated")
+    reduced, real = [], build.collectives.all_reduce
+    monkeypatch.setattr(build.collectives, "all_reduce", lambda t, group, op: reduced.append(group) or real(t, group, op=op))
+    with run.kv_calibration.recording(run.actor.model):
+        pass  # no forward: every layer unseen
+    assert reduced == [run.parallel.mp_group, run.parallel.dp_group]
+    assert run.kv_calibration.scales() == [(1e-6 / 448.0, 1e-6 / 448.0)]  # unseen: a finite, positive scale
+
+
+def test_a_blockwise_rollout_whose_blocks_do_not_divide_the_model_is_refused_before_any_server_starts(
+        qwen2_dir, tmp_path):
+    cfg = _sglang_cfg(tmp_path, "rollout.sglang.weight_transport=disk", f"rollout.sglang.disk_dir={tmp_path / 'w'}",
+                      "precision.rollout_quant=fp8_blockwise",
+                      "precision.weight_block_size=[128,128]")
+    with pytest.raises(ValueError, match=r"'precision.weight_block_size': activation groups of 128 do not divide"):
+        build.build_sglang(cfg, qwen2_dir)
+    assert not (tmp_path / "run" / "sglang").exists()
