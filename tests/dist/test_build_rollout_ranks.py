@@ -4,6 +4,8 @@ world, then the other rank attaches to those servers as a client and owns no tra
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ def _worker(rank: int, world_size: int, model_dir: str, log_dir: str, port: int)
 
     os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
     dist.init_process_group("gloo")
+    groups = SimpleNamespace(world=dist.new_group(backend="gloo"))  # a group of its own, not the default one
     conversions = []
     real = sglang_checkpoint.rollout_checkpoint
 
@@ -32,16 +35,31 @@ def _worker(rank: int, world_size: int, model_dir: str, log_dir: str, port: int)
         conversions.append(rank)
         return real(cfg, path)
     sglang_checkpoint.rollout_checkpoint = counted
+    from megatron_rl import collectives
+
+    waits, real_barrier = [], collectives.barrier
+
+    def barrier(group):  # which group carries each wait: the gloo world handed in, never the default group
+        waits.append("world" if group is groups.world else repr(group))
+        real_barrier(group)
+    collectives.barrier = barrier
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("megatron_rl.loop.build").addHandler(handler)
+    logging.getLogger("megatron_rl.loop.build").setLevel(logging.INFO)
     command = "[" + ",".join(f"'{c}'" for c in SERVER_COMMAND) + "]"
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=disk",
                              f"rollout.sglang.disk_dir={log_dir}/weights", f"rollout.sglang.server_command={command}",
                              f"rollout.sglang.base_port={port}", "rollout.sglang.startup_timeout_s=120",
                              f"log.dir={log_dir}"])
-    groups = SimpleNamespace(world=dist.group.WORLD)
     engine, transport, placement = build.build_rollout(cfg, Path(model_dir),
                                                        SimpleNamespace(world_size=world_size, rank=rank), groups)
+    collectives.barrier = real_barrier
     try:
-        out = {"role": placement.rollout_role(rank), "servers": [s.url for s in engine.servers],
+        (line,) = [m for m in lines if m.startswith("placement ")]
+        out = {"role": placement.rollout_role(rank), "servers": [s.url for s in engine.servers], "waits": waits,
+               "line": json.loads(line.removeprefix("placement ")),
                "transport": type(transport).__name__, "conversions": conversions,
                "launched": [s.process is not None for s in engine.servers]}
         # colocated tensor transport (CUDA IPC on a GPU): the host's ranks gather to the owner
@@ -75,3 +93,9 @@ def test_the_owner_starts_the_hosts_servers_and_the_other_rank_attaches(qwen2_di
     assert (owner["peer"], owner["gather"], owner["gather_src"]) == ("NoneType", "GlooGather", 0)
     assert (client["peer"], client["gather"]) == ("peer", "NoneType")  # it sends its own copy to rank 0
     assert owner["not_wired"] == client["not_wired"] == [True, True]
+    assert owner["waits"] == client["waits"] == ["world", "world"]  # after the conversion, after the servers' start
+    pid = {"owner": owner["line"]["pid"], "client": client["line"]["pid"]}
+    assert owner["line"] == {"rank": 0, "host": "127.0.0.1", "pid": pid["owner"], "local_rank": 0, "role": "owner",
+                             "owned_servers": servers, "servers": servers}
+    assert client["line"] == {"rank": 1, "host": "127.0.0.1", "pid": pid["client"], "local_rank": 1,
+                              "role": "client", "owned_servers": [], "servers": [servers[1], servers[0]]}

@@ -639,3 +639,42 @@ def test_a_blockwise_rollout_whose_blocks_do_not_divide_the_model_is_refused_bef
     with pytest.raises(ValueError, match=r"'precision.weight_block_size': activation groups of 128 do not divide"):
         build.build_sglang(cfg, qwen2_dir)
     assert not (tmp_path / "run" / "sglang").exists()
+
+
+def test_one_process_under_a_launchers_plan_takes_the_plans_placement(qwen2_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_RL_HOSTS", "127.0.0.1,127.0.0.2")  # one trainer node, one rollout node
+    monkeypatch.setenv("MEGATRON_RL_GPUS_PER_NODE", "1")
+    monkeypatch.setenv("MEGATRON_RL_ROLLOUT_NODES", "1")
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    built = []
+    monkeypatch.setattr(build, "build_engine", lambda cfg, d, placement=None, rank=0:
+                        built.append((placement, rank)) or ("engine", "transport"))
+    cfg = _cfg("rollout.engine=sglang", "rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=disk",
+               f"rollout.sglang.disk_dir={tmp_path / 'w'}", f"log.dir={tmp_path / 'run'}")
+    engine, transport, placement = build.build_rollout(cfg, qwen2_dir, SimpleNamespace(world_size=1, rank=0))
+    assert (engine, transport) == ("engine", "transport") and built == [(placement, 0)]
+    assert placement.layout == "disaggregated" and [h.host for h in placement.hosts] == ["127.0.0.1", "127.0.0.2"]
+
+
+def test_a_slurm_job_started_without_the_launchers_plan_is_not_held_to_one(qwen2_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("MEGATRON_RL_HOSTS", raising=False)
+    monkeypatch.setenv("SLURMD_NODENAME", "node-b")  # srun python -m megatron_rl ... on one node
+    engine, _, placement = build.build_rollout(_cfg(f"log.dir={tmp_path}"), qwen2_dir,
+                                               SimpleNamespace(world_size=1, rank=0))
+    try:
+        assert placement.layout == "embedded" and placement.is_owner(0)
+    finally:
+        engine.shutdown()
+
+
+def test_a_rank_that_neither_owns_nor_samples_logs_no_servers(qwen2_dir, tmp_path, monkeypatch, caplog):
+    for var in ("MEGATRON_RL_HOSTS", "SLURMD_NODENAME"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _sglang_cfg(tmp_path, "rollout.sglang.mode=colocated", "parallel.tensor_model_parallel_size=2")
+    with caplog.at_level(logging.INFO, logger="megatron_rl.loop.build"):
+        engine, transport, placement = build.build_rollout(cfg, qwen2_dir, SimpleNamespace(world_size=2, rank=1))
+    assert (engine, transport, placement.rollout_role(1)) == (None, None, None)  # TP rank 1: gets samples by broadcast
+    (line,) = [m for m in caplog.messages if m.startswith("placement ")]
+    assert json.loads(line.removeprefix("placement ")) == {
+        "rank": 1, "host": cfg.rollout.sglang.host, "pid": os.getpid(), "local_rank": 1, "role": None,
+        "owned_servers": [], "servers": []}
