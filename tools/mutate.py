@@ -112,7 +112,9 @@ SPAWNED["megatron_rl/loop/phases.py"] = {
 # build_rollout's placement path with more than one rank: owner and client on one host.
 SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ranks.py"]
                                        for name in ("build_rollout", "wire_ipc_gather")}
-SPAWNED["megatron_rl/loop/build.py"]["build_run"] = ["tests/dist/test_rl_loop_ranks.py"]  # TP=2 x DP=1, and DP=2
+# build_run: a colocated host's owner and client wired and synced (DP=2); the loop on TP=2 x DP=1, and DP=2
+SPAWNED["megatron_rl/loop/build.py"]["build_run"] = ["tests/dist/test_build_run_ranks.py",
+                                                     "tests/dist/test_rl_loop_ranks.py"]
 SPAWNED["megatron_rl/loop/phases.py"].update({
     "assert_same_across_model_parallel": ["tests/dist/test_calib_model_parallel.py"],  # TP=2 ranks
     "_histogram_payload": ["tests/e2e/test_calib_dump.py"],  # rebuilt by hand from a run's dump (a subprocess)

@@ -678,3 +678,27 @@ def test_a_rank_that_neither_owns_nor_samples_logs_no_servers(qwen2_dir, tmp_pat
     assert json.loads(line.removeprefix("placement ")) == {
         "rank": 1, "host": cfg.rollout.sglang.host, "pid": os.getpid(), "local_rank": 1, "role": None,
         "owned_servers": [], "servers": []}
+
+
+@pytest.mark.parametrize("tensorboard, progress", [(True, False), (False, True)])
+def test_the_metrics_logger_follows_the_log_section(make_run, monkeypatch, tensorboard, progress):
+    from megatron_rl.telemetry import logger as logger_module
+
+    started = []  # what W&B is started with (wandb itself: test_telemetry_wandb.py)
+    monkeypatch.setattr(logger_module, "_start_wandb", lambda d, opts: started.append((d, opts)))
+    run = make_run(f"log.tensorboard={str(tensorboard).lower()}", f"log.progress={str(progress).lower()}",
+                   "log.wandb.project=fp8rl", "log.wandb.name=trial", "log.wandb.mode=offline")
+    lg = run.logger
+    assert (Path(run.cfg.log.dir) / "tb").is_dir() is tensorboard and (lg._tb is not None) is tensorboard
+    assert (lg._bar is not None) is progress
+    assert started == [(Path(run.cfg.log.dir), {"project": "fp8rl", "name": "trial", "mode": "offline",
+                                                "config": run.cfg.to_dict()})]
+
+
+@pytest.mark.parametrize("kv_scales", ["unit", "calibrated"])
+def test_each_update_sends_the_kv_scales_of_the_section(make_run, kv_scales):
+    run = make_run("rollout.kv_cache_dtype=fp8_e4m3", f"rollout.sglang.kv_scales={kv_scales}")
+    if kv_scales == "calibrated":  # as if the last old-log-prob forward had seen |K| = 896, |V| = 224
+        run.kv_calibration.amax = torch.tensor([[896.0, 224.0]], dtype=torch.float64)
+    sent = sorted(float(t) for _, t in run.sync.kv_scales())
+    assert sent == ([1.0, 1.0] if kv_scales == "unit" else [0.5, 2.0])  # one layer: its k and v scale
