@@ -31,6 +31,12 @@ def _worker(rank: int, world_size: int, log_dir: str, port: int) -> dict:
     os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
     made, real = [], collectives.make_host_groups
     collectives.make_host_groups = lambda mp, dp, timeout_s: made.append(timeout_s) or real(mp, dp, timeout_s=timeout_s)
+    waits, real_barrier = [], collectives.barrier
+
+    def barrier(group):  # the default group, or a group of its own (the host groups' gloo world)
+        waits.append("default" if group is None else "own")
+        real_barrier(group)
+    collectives.barrier = barrier
     command = "[" + ",".join(f"'{c}'" for c in SERVER_COMMAND) + "]"
     cfg = load_config(EXAMPLES / "fp8_calibrated.yaml", [
         *TINY, "train.sft_steps=0", "model.tiny_num_layers=1", "precision.weight_block_size=[32,32]",
@@ -39,12 +45,13 @@ def _worker(rank: int, world_size: int, log_dir: str, port: int) -> dict:
         "rollout.sglang.startup_timeout_s=120", "parallel.host_wait_timeout_s=321", "sync.check=true",
         "log.tensorboard=false", "log.progress=false", f"log.dir={log_dir}"])
     run = build.build_run(cfg)
+    collectives.barrier = real_barrier
     try:
         g = run.host_groups
         out = {"wait_for_owners": run.sync.wait_for_owners, "peer": run.sync.peer is not None,
                "gather_src": getattr(getattr(run.sync.transport, "gather", None), "src", None),
                "transport": type(run.sync.transport).__name__, "logging": run.logger.enabled,
-               "host_groups": [collectives.group_ranks(x) for x in (g.mp, g.dp, g.world)], "timeouts": made,
+               "host_groups": [collectives.group_ranks(x) for x in (g.mp, g.dp, g.world)], "timeouts": made, "waits": waits,
                "servers": [s.url for s in run.engine.servers]}
         metrics = run.sync.sync()  # collective: the client's copy goes to the owner, the owner updates
         # after sync() every rank has waited for the owner's update: both see the new version at once
@@ -67,6 +74,8 @@ def test_a_colocated_host_of_two_ranks_is_wired_owner_to_client_and_syncs_once(t
     assert (owner["logging"], client["logging"]) == (True, False)
     assert owner["host_groups"] == [[0], [0, 1], [0, 1]] and client["host_groups"] == [[1], [0, 1], [0, 1]]
     assert owner["timeouts"] == client["timeouts"] == [321.0]
+    # the warm-started model on the default group (no host groups yet); the rollout's waits on the gloo world
+    assert owner["waits"] == client["waits"] == ["default", "own", "own"]
     assert owner["servers"] == servers and client["servers"] == [servers[1], servers[0]]
     assert owner["versions"] == client["versions"] == ["1", "1"]
     assert owner["mismatches"] == 0.0
