@@ -109,8 +109,10 @@ SPAWNED["megatron_rl/loop/phases.py"] = {
     name: ["tests/dist/test_phases_dp.py"]
     for name in ("update_policy", "_denominator", "_reduced_means", "_reduce_sum", "_reference", "_kl_in_reward",
                  "_calibrate", "_length_metrics", "_rollout_metrics", "_component_means", "_count_nonfinite")}
-# build_rollout's placement path with more than one rank: owner and client on one host.
-SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ranks.py"]
+# build_rollout's placement path with more than one rank: owner and client on one host; then the
+# built runs of one host (DP=2) and of two hosts (TP=2 x DP=2: an owner at rank 2, TP peers as IPC peers).
+SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ranks.py",
+                                               "tests/dist/test_build_run_ranks.py"]
                                        for name in ("build_rollout", "wire_ipc_gather")}
 # build_run: a colocated host's owner and client wired and synced (DP=2); the loop on TP=2 x DP=1, and DP=2
 SPAWNED["megatron_rl/loop/build.py"]["build_run"] = ["tests/dist/test_build_run_ranks.py",

@@ -21,14 +21,14 @@ from doubles.sglang_testing import API_KEY, SERVER_COMMAND, free_port_block  # n
 from test_rl_loop import EXAMPLES, TINY  # noqa: E402
 
 
-def _worker(rank: int, world_size: int, log_dir: str, port: int) -> dict:
+def _worker(rank: int, world_size: int, log_dir: str, port: int, overrides: list, env: dict) -> dict:
     import torch.distributed as dist
 
     from megatron_rl import collectives
     from megatron_rl.config import load_config
     from megatron_rl.loop import build
 
-    os.environ["MEGATRON_RL_SGLANG_API_KEY"] = API_KEY
+    os.environ.update(env, MEGATRON_RL_SGLANG_API_KEY=API_KEY)
     made, real = [], collectives.make_host_groups
     collectives.make_host_groups = lambda mp, dp, timeout_s: made.append(timeout_s) or real(mp, dp, timeout_s=timeout_s)
     waits, real_barrier = [], collectives.barrier
@@ -43,7 +43,7 @@ def _worker(rank: int, world_size: int, log_dir: str, port: int) -> dict:
         "rollout.engine=sglang", "rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=tensor",
         f"rollout.sglang.server_command={command}", f"rollout.sglang.base_port={port}",
         "rollout.sglang.startup_timeout_s=120", "parallel.host_wait_timeout_s=321", "sync.check=true",
-        "log.tensorboard=false", "log.progress=false", f"log.dir={log_dir}"])
+        "log.tensorboard=false", "log.progress=false", f"log.dir={log_dir}", *overrides])
     run = build.build_run(cfg)
     collectives.barrier = real_barrier
     try:
@@ -52,10 +52,10 @@ def _worker(rank: int, world_size: int, log_dir: str, port: int) -> dict:
                "gather_src": getattr(getattr(run.sync.transport, "gather", None), "src", None),
                "transport": type(run.sync.transport).__name__, "logging": run.logger.enabled,
                "host_groups": [collectives.group_ranks(x) for x in (g.mp, g.dp, g.world)], "timeouts": made, "waits": waits,
-               "servers": [s.url for s in run.engine.servers]}
+               "servers": [s.url for s in run.engine.servers] if run.engine else None}
         metrics = run.sync.sync()  # collective: the client's copy goes to the owner, the owner updates
         # after sync() every rank has waited for the owner's update: both see the new version at once
-        out["versions"] = [s.client.get("/model_info")["weight_version"] for s in run.engine.servers]
+        out["versions"] = [s.client.get("/model_info")["weight_version"] for s in run.engine.servers] if run.engine else None
         out["mismatches"] = metrics.get("sync/check_mismatches")
         dist.barrier()  # the client is done with the servers before the owner stops them
         return out
@@ -66,7 +66,7 @@ def _worker(rank: int, world_size: int, log_dir: str, port: int) -> dict:
 @pytest.mark.timeout(300)
 def test_a_colocated_host_of_two_ranks_is_wired_owner_to_client_and_syncs_once(tmp_path):
     port = free_port_block(2)
-    owner, client = run_distributed(_worker, world_size=2, args=(str(tmp_path / "run"), port), timeout_s=280)
+    owner, client = run_distributed(_worker, world_size=2, args=(str(tmp_path / "run"), port, [], {}), timeout_s=280)
     servers = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
     assert (owner["transport"], owner["gather_src"], owner["peer"]) == ("SGLangTensorTransport", 0, False)
     assert (client["transport"], client["gather_src"], client["peer"]) == ("NoneType", None, True)
@@ -79,3 +79,24 @@ def test_a_colocated_host_of_two_ranks_is_wired_owner_to_client_and_syncs_once(t
     assert owner["servers"] == servers and client["servers"] == [servers[1], servers[0]]
     assert owner["versions"] == client["versions"] == ["1", "1"]
     assert owner["mismatches"] == 0.0
+
+
+@pytest.mark.timeout(420)
+def test_two_colocated_hosts_of_tp2_ranks_each_gather_on_their_own_owner(tmp_path):
+    """TP=2 x DP=2 on two hosts (127.0.0.1 and 127.0.0.2, two ranks each): rank 2 owns the second
+    host's servers and gathers from rank 3 only; ranks 1 and 3 (TP peers, no engine) are IPC peers."""
+    port = free_port_block(2)
+    env = {"MEGATRON_RL_HOSTS": "127.0.0.1,127.0.0.2", "MEGATRON_RL_GPUS_PER_NODE": "2"}
+    r = run_distributed(_worker, world_size=4, args=(str(tmp_path / "run"), port,
+                                                      ["parallel.tensor_model_parallel_size=2"], env), timeout_s=400)
+    hosts = [[f"http://{h}:{port}", f"http://{h}:{port + 1}"] for h in ("127.0.0.1", "127.0.0.2")]
+    for rank, out in enumerate(r):
+        owner = rank % 2 == 0
+        assert out["host_groups"] == [[2 * (rank // 2), 2 * (rank // 2) + 1], [rank % 2, rank % 2 + 2],
+                                      [0, 1, 2, 3]], rank
+        assert (out["gather_src"], out["peer"]) == ((rank, False) if owner else (None, True)), rank
+        assert out["servers"] == (hosts[rank // 2] if owner else None), rank
+        assert out["versions"] == (["1", "1"] if owner else None), rank
+        assert out["wait_for_owners"] is False  # every replica head owns its servers: no client waits
+        assert out["logging"] is (rank == 0)
+        assert out["waits"] == ["default", "own", "own"]
