@@ -702,3 +702,16 @@ def test_each_update_sends_the_kv_scales_of_the_section(make_run, kv_scales):
         run.kv_calibration.amax = torch.tensor([[896.0, 224.0]], dtype=torch.float64)
     sent = sorted(float(t) for _, t in run.sync.kv_scales())
     assert sent == ([1.0, 1.0] if kv_scales == "unit" else [0.5, 2.0])  # one layer: its k and v scale
+
+
+def test_a_colocated_owner_launches_its_hosts_servers_whatever_the_section_lists():
+    from megatron_rl.cluster.placement import placement_for_config
+
+    cfg = _cfg("rollout.engine=sglang", "rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=disk",
+               "rollout.sglang.disk_dir=/shared/w", "rollout.sglang.server_urls=[http://elsewhere:30000]",
+               "rollout.sglang.launch_router=true")  # a disaggregated section's leftovers
+    placement = placement_for_config(cfg, ["node-a"], 2)
+    owner, client = (build.sglang_config_for(cfg, placement, r) for r in (0, 1))
+    assert (owner.host, owner.num_servers, owner.server_urls) == ("node-a", 2, [])  # it starts its own two
+    assert client.server_urls == placement.servers_for(1) and client.router_url == ""
+    assert not owner.launch_router and not client.launch_router  # colocated: no router, whoever asks
