@@ -115,8 +115,10 @@ SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ra
                                                "tests/dist/test_build_run_ranks.py"]
                                        for name in ("build_rollout", "wire_ipc_gather")}
 # build_run: a colocated host's owner and client wired and synced (DP=2); the loop on TP=2 x DP=1, and DP=2
-SPAWNED["megatron_rl/loop/build.py"]["build_run"] = ["tests/dist/test_build_run_ranks.py",
-                                                     "tests/dist/test_rl_loop_ranks.py"]
+SPAWNED["megatron_rl/loop/build.py"]["build_run"] = [
+    "tests/dist/test_build_run_ranks.py", "tests/dist/test_rl_loop_ranks.py",
+    "tests/e2e/test_rl_parallel.py::test_model_parallel_run_matches_one_process"
+    "[parallel.pipeline_model_parallel_size=2]"]  # PP=2 under torchrun
 SPAWNED["megatron_rl/loop/phases.py"].update({
     "assert_same_across_model_parallel": ["tests/dist/test_calib_model_parallel.py"],  # TP=2 ranks
     "_histogram_payload": ["tests/e2e/test_calib_dump.py"],  # rebuilt by hand from a run's dump (a subprocess)

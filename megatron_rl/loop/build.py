@@ -257,7 +257,7 @@ def build_sglang(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         return engine, SGLangNcclTransport(engine, sg.nccl_master_addr, sg.nccl_master_port, backend=backend,
                                            check=cfg.sync.check)
-    return engine, DiskTransport(engine, sg.disk_dir or Path(cfg.log.dir) / "weights", template_dir=model_dir)
+    return engine, DiskTransport(engine, sg.disk_dir, template_dir=model_dir)  # validated: disk needs disk_dir
 
 
 def _mkdir(path: Path) -> Path:

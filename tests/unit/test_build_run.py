@@ -575,7 +575,6 @@ def test_a_cap_by_epochs_is_logged_with_the_numbers_that_made_it(tmp_path, caplo
 
 def test_a_users_batched_reward_scores_the_whole_batch_in_one_call(tmp_path):
     (tmp_path / "my_reward.py").write_text(
-        "import os\n"
         "def score(responses, answers, **kw):\n"
         "    return [float(len(responses)) + float(r == a) for r, a in zip(responses, answers)]\n")
     r = build.build_rewards(_cfg(f"reward.name={tmp_path / 'my_reward.py'}:score", "reward.batched=true"))
@@ -624,7 +623,8 @@ def test_the_actor_trains_with_the_runs_fp8_recipe_and_the_reference_with_its_se
 def test_a_kv_calibration_reduces_over_the_runs_own_groups(make_run, monkeypatch):
     run = make_run("rollout.kv_cache_dtype=fp8_e4m3", "rollout.sglang.kv_scales=calibrated")
     reduced, real = [], build.collectives.all_reduce
-    monkeypatch.setattr(build.collectives, "all_reduce", lambda t, group, op: reduced.append(group) or real(t, group, op=op))
+    monkeypatch.setattr(build.collectives, "all_reduce",
+                        lambda t, group, op: reduced.append(group) or real(t, group, op=op))
     with run.kv_calibration.recording(run.actor.model):
         pass  # no forward: every layer unseen
     assert reduced == [run.parallel.mp_group, run.parallel.dp_group]
