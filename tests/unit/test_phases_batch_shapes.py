@@ -3,6 +3,7 @@ rows for equal micro-batches, and the response-length metrics (truncated = finis
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megatron_rl.loop import phases
@@ -37,3 +38,29 @@ def test_truncated_responses_are_those_that_finished_by_length():
     per_sample, longest = phases._length_metrics(run, samples)
     assert per_sample["response_length/mean"].tolist() == [3.0, 5.0, 1.0, 5.0]
     assert per_sample["response_length/clip_ratio"].tolist() == [0.0, 1.0, 0.0, 1.0] and longest == 5.0
+
+
+def _layout_run(sequence_parallel: bool, tp: int, recipe: str = "tensorwise", budget: int = 0, mbs: int = 2):
+    return SimpleNamespace(
+        actor=SimpleNamespace(config=SimpleNamespace(sequence_parallel=sequence_parallel)),
+        parallel=SimpleNamespace(tp_size=tp),
+        cfg=SimpleNamespace(train=SimpleNamespace(max_tokens_per_micro_batch=budget, micro_batch_size=mbs),
+                            precision=SimpleNamespace(train_recipe=recipe)))
+
+
+def test_the_actor_batch_pads_columns_to_the_tp_size_only_under_sequence_parallel():
+    batch = _batch(3, 5)
+    padded, mbs, restore = phases._actor_batch(_layout_run(True, 4), batch)
+    assert mbs == 2 and padded["tokens"].shape == (4, 8) and padded["loss_mask"][:, 5:].eq(0).all()
+    assert restore(padded["tokens"]).equal(batch["tokens"])
+    plain, _, _ = phases._actor_batch(_layout_run(False, 4), batch)
+    assert plain["tokens"].shape == (4, 5)
+
+
+@pytest.mark.parametrize("recipe, sp, width", [("blockwise", True, 256), ("blockwise", False, 128),
+                                               ("tensorwise", True, 32), ("mxfp8", True, 64)])
+def test_packed_rows_are_a_multiple_of_the_recipe_block_times_tp_under_sequence_parallel(recipe, sp, width):
+    batch = _batch(3, 5)
+    packed, mbs, restore = phases._actor_batch(_layout_run(sp, 2, recipe, budget=40), batch)
+    assert mbs == 1 and packed["tokens"].shape == (1, width)  # 15 tokens in one row of the budget
+    assert restore(packed["tokens"]).equal(batch["tokens"])

@@ -1,6 +1,7 @@
 """The loop phases' side of the loss modes: the knobs reach the loss, the denominator counts the
 tokens the rejection mask keeps, and sequence-level calibration feeds one entry per sequence."""
 
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -86,6 +87,8 @@ def test_every_loss_knob_of_the_config_reaches_the_loss(overrides, knobs):
           "tokens": torch.zeros(3, 5, dtype=torch.long), "loss_mask": torch.ones(3, 5),
           "rollout_logprobs": old + 0.3 * torch.randn(3, 5, generator=g), "ref_logprobs": old - 0.2,
           "ratio_ref": torch.exp(logprobs - old + 0.05)}
+    mb["rollout_logprobs"][0, 0] = old[0, 0] + 0.6  # TIS weight e^-0.6 = 0.55: under 0.6 and 0.7, over 0.5
+    mb["ratio_ref"][1, 0], mb["ratio_ref"][0, 1] = 0.72, 1.35  # between the BF16 bounds and the FP8 ones
     entropy = torch.rand(3, 5, generator=g)
     loss, metrics = phases._loss_fn(run, 15.0, (0.7, 1.4))(logprobs, entropy, mb)
     want, want_metrics = policy_loss(
@@ -94,8 +97,27 @@ def test_every_loss_knob_of_the_config_reaches_the_loss(overrides, knobs):
         ratio_ref=mb["ratio_ref"], ref_clip_low=0.75, ref_clip_high=1.3, **knobs)
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
     assert reduce_metrics([metrics]) == pytest.approx(reduce_metrics([want_metrics]), rel=1e-6, nan_ok=True)
-    # the defaults would give another loss: each knob matters on this batch
-    plain, _ = policy_loss(logprobs, old, mb["advantages"], mb["loss_mask"], denominator=15.0, clip_low=0.7,
-                           clip_high=1.4, rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb["ref_logprobs"],
-                           entropy=entropy, ratio_ref=mb["ratio_ref"], ref_clip_low=0.75, ref_clip_high=1.3)
-    assert float(plain) != pytest.approx(float(want), rel=1e-6)
+    # each knob matters on this batch: left at its default (the BF16 reference bounds: at the FP8
+    # bounds in force, policy_loss's fallback), it gives another loss or other metrics
+    written = dict(knobs, ref_clip_low=0.75, ref_clip_high=1.3)
+    defaults = inspect.signature(policy_loss).parameters
+    for name in [k for k, v in written.items() if v != defaults[k].default]:
+        rest = {k: v for k, v in written.items() if k != name}
+        other, other_metrics = policy_loss(
+            logprobs, old, mb["advantages"], mb["loss_mask"], denominator=15.0, clip_low=0.7, clip_high=1.4,
+            rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb["ref_logprobs"], entropy=entropy,
+            ratio_ref=mb["ratio_ref"], **rest)
+        assert (float(other) != pytest.approx(float(want), rel=1e-6)
+                or reduce_metrics([other_metrics]) != pytest.approx(reduce_metrics([want_metrics]), rel=1e-6,
+                                                                    nan_ok=True)), name
+
+
+def test_the_loss_clips_at_the_calibrated_bounds_only_when_calibration_is_on():
+    on = _run("precision.train_recipe=tensorwise", "calib.enabled=true", "algo.eps_clip=0.2", "algo.eps_clip_high=0.28")
+    on.controller.load_state_dict({"low": 0.7, "high": 1.5, "num_calibrations": 1, "num_skipped": 0})
+    assert phases._bounds(on) == (0.7, 1.5)
+    off = _run("calib.enabled=false", "algo.eps_clip=0.2", "algo.eps_clip_high=0.28")
+    off.controller.load_state_dict({"low": 0.7, "high": 1.5, "num_calibrations": 1, "num_skipped": 0})
+    assert phases._bounds(off) == pytest.approx((0.8, 1.28))  # diagnose only: the bounds are not applied
+    cispo = _run("calib.enabled=false", "algo.loss_mode=cispo", "algo.eps_clip=1.0", "algo.eps_clip_high=4.0")
+    assert phases._bounds(cispo) == (0.0, 5.0)  # no lower bound on CISPO's weight

@@ -346,7 +346,7 @@ def test_old_logprobs_are_the_fp8_trainers_and_nothing_is_skipped(make_run):
     assert phases.prepare(run, None, 0, metrics) is None
 
 
-def test_rollout_logprobs_can_be_the_old_ones_and_a_nonfinite_one_skips_the_step(make_run):
+def test_rollout_logprobs_can_be_the_old_ones_and_a_nonfinite_one_skips_the_step(make_run, caplog):
     run = make_run("algo.use_rollout_logprobs=true")
     batch, metrics = _rollout_batch(run)
     out = phases.prepare(run, batch, 0, metrics)
@@ -360,8 +360,10 @@ def test_rollout_logprobs_can_be_the_old_ones_and_a_nonfinite_one_skips_the_step
     response = (batch["loss_mask"] > 0).nonzero()
     for row, col in response[:3].tolist():
         batch["rollout_logprobs"][row, col] = float("inf")
-    assert phases.prepare(run, batch, 1, metrics) is None
+    with caplog.at_level(logging.WARNING, logger=phases.log.name):
+        assert phases.prepare(run, batch, 1, metrics) is None
     assert metrics["guard/nonfinite_logprobs"] == 3.0 and metrics["step/skipped"] == 1.0
+    assert "step 1: 3 non-finite old log-probs on response tokens: step skipped" in caplog.messages
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     bad = torch.tensor([[float("nan"), float("inf"), 0.0], [0.0, float("-inf"), float("nan")]])
     for key in ("old_logprobs", "old_logprobs_ref", "ref_logprobs"):  # every log-prob the loss reads
