@@ -517,7 +517,7 @@ def _calibrate(run, metric_dicts: list[dict], step: int) -> dict[str, float]:
     local = hist.payload.clone() if dumps else None  # this rank's micro-batches, before the DP all-reduce
     out = run.controller.update_from_histogram(hist, reduce=run.parallel.dp_reducer(), step=step)
     assert_same_across_model_parallel(run.controller.bounds, run.parallel)
-    _log_calibration(run, out, step)
+    _log_calibration(out, step)
     if dumps:
         _dump_histogram(run, hist, step, local, inputs)
     return out if run.cfg.calib.enabled else _renamed(out, DIAGNOSE_KEYS)
@@ -532,7 +532,7 @@ def assert_same_across_model_parallel(bounds: tuple[float, float], parallel) -> 
         raise RuntimeError(f"calibrated (L, H) differ across the model-parallel group: {everyone}")
 
 
-def _log_calibration(run, out: dict[str, float], step: int) -> None:
+def _log_calibration(out: dict[str, float], step: int) -> None:
     if out["calib/skipped"]:
         reason = next(k for k in out if k.startswith("calib/skipped_") and out[k])
         log.warning("step %d: calibration skipped (%s); bounds kept, retried next step", step, reason)

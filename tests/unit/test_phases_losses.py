@@ -121,3 +121,64 @@ def test_the_loss_clips_at_the_calibrated_bounds_only_when_calibration_is_on():
     assert phases._bounds(off) == pytest.approx((0.8, 1.28))  # diagnose only: the bounds are not applied
     cispo = _run("calib.enabled=false", "algo.loss_mode=cispo", "algo.eps_clip=1.0", "algo.eps_clip_high=4.0")
     assert phases._bounds(cispo) == (0.0, 5.0)  # no lower bound on CISPO's weight
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("overrides, knobs", [
+    (["algo.use_tis=true", "algo.tis_mode=truncate", "algo.tis_clip=1.1", "algo.tis_clip_low=0.6",
+      "algo.eps_clip_c=1.5", "algo.loss_agg_mode=seq-mean-token-mean"],
+     dict(use_tis=True, tis_clip=1.1, tis_clip_low=0.6, loss_agg_mode="seq-mean-token-mean")),
+    (["algo.use_tis=true", "algo.tis_mode=icepop", "algo.icepop_low=0.7", "algo.icepop_high=1.3"],
+     dict(use_tis=True, mode="icepop", icepop_low=0.7, icepop_high=1.3)),
+    (["algo.use_tis=true", "algo.tis_level=geo_mean", "algo.tis_clip=1.05", "algo.rollout_rs=token_k1",
+      "algo.rollout_rs_threshold=1.5"],
+     dict(use_tis=True, level="geo_mean", tis_clip=1.05, rollout_rs="token_k1", rollout_rs_threshold=1.5)),
+])
+def test_the_calibration_histogram_weighs_each_token_as_the_loss_does(overrides, knobs, level):
+    """The phase's histogram equals one built by hand with the knobs written out (non-default
+    values), on a micro-batch with padding; each knob, left at its default, gives another histogram."""
+    from megatron_rl.algo.policy_loss import LOG_RATIO_CLAMP, loss_mask, loss_token_weights
+
+    gspo = ["algo.loss_mode=gspo"] if level == "sequence" else []  # the sequence ratio's loss
+    run = _run("precision.train_recipe=tensorwise", "calib.enabled=true", f"calib.level={level}", *gspo,
+               "algo.eps_clip=0.25", "algo.eps_clip_high=0.3", *overrides)
+    g = torch.Generator().manual_seed(11)
+    old = -torch.rand(4, 6, generator=g) - 0.5
+    logprobs = old + 0.3 * torch.randn(4, 6, generator=g)
+    logprobs[1] = old[1] + 0.6  # A < 0 at ratio e^0.6 = 1.8 > eps_clip_c: dual-clipped (token and sequence)
+    mask = torch.ones(4, 6)
+    mask[1, 4:], mask[3, 2:] = 0.0, 0.0  # padding: its log-probs are whatever the forward gave,
+    logprobs[3, 4:] = old[3, 4:]  # here and there the old ones (the 0 of a padded row in both)
+    rollout = old + 0.4 * torch.randn(4, 6, generator=g)
+    rollout[0, 0] = old[0, 0] + 0.6  # weight e^-0.6 = 0.55: under 0.6 and 0.7, over 0.5
+    rollout[2, 1] = old[2, 1] - 0.45  # k1 = 0.45: over log 1.5, under log 2
+    ratio_ref = torch.exp(logprobs - old + 0.05 * torch.randn(4, 6, generator=g)) * mask + (1 - mask)
+    adv = torch.tensor([1.0, -1.0, -0.5, 0.7])[:, None].expand(4, 6) * mask
+    mb = {"old_logprobs": old, "advantages": adv, "tokens": torch.zeros(4, 6, dtype=torch.long), "loss_mask": mask,
+          "rollout_logprobs": rollout, "ratio_ref": ratio_ref}
+    _, metrics = phases._loss_fn(run, 24.0, (0.7, 1.4), calibrating=True)(logprobs, None, mb)
+    got = metrics[phases.HIST_KEY]
+
+    def by_hand(**written):
+        rs = {k: written.pop(k) for k in ("rollout_rs", "rollout_rs_threshold") if k in written}
+        agg = written.pop("loss_agg_mode", "token-mean")
+        use_tis = written.pop("use_tis")
+        weights = loss_token_weights(mask, agg, old, rollout, use_tis, **rs, **written)
+        log_ratio = ((logprobs - old) * mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        hist = run.controller.new_histogram()
+        if level == "sequence":
+            hist.add_sequences(log_ratio, torch.log(ratio_ref), adv, loss_mask(mask, old, rollout, **rs),
+                               weights=weights, dual_clip=dual_clip)
+        else:
+            hist.add(log_ratio.exp(), ratio_ref, adv, mask, weights=weights, dual_clip=dual_clip)
+        return hist.payload
+
+    dual_clip = run.cfg.algo.eps_clip_c
+    torch.testing.assert_close(got, by_hand(**knobs))
+    for name in [k for k in knobs if k != "use_tis"]:
+        assert not torch.allclose(got, by_hand(**{k: v for k, v in knobs.items() if k != name})), name
+    if dual_clip is not None:
+        dual = dual_clip
+        dual_clip = None
+        assert not torch.allclose(got, by_hand(**knobs)), "eps_clip_c"
+        dual_clip = dual

@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import megatron.core.tensor_parallel  # noqa: F401 - imported at collection, not inside each test
 import pytest
@@ -667,16 +668,20 @@ def _calibration_out(**flags) -> dict:
 def test_a_skipped_calibration_warns_with_its_reason_and_a_kept_bound_is_named(make_run, caplog):
     run = make_run(sync=False)
     with caplog.at_level(logging.INFO, logger="megatron_rl.loop.phases"):
-        phases._log_calibration(run, _calibration_out(skipped=1.0, skipped_crossed=1.0), 7)
-        phases._log_calibration(run, _calibration_out(high_edge=1.0, low_edge=1.0, high_undefined=1.0), 8)
-        phases._log_calibration(run, _calibration_out(), 9)
+        phases._log_calibration(_calibration_out(skipped=1.0, skipped_crossed=1.0), 7)
+        phases._log_calibration(_calibration_out(high_edge=1.0, low_edge=1.0, high_undefined=1.0), 8)
+        phases._log_calibration(_calibration_out(), 9)
+        bounds = run.controller.bounds  # a calibration mini-batch without a token: skipped, logged with its step
+        out = phases._calibrate(run, [{phases.HIST_KEY: run.controller.new_histogram().payload}], 11)
+    assert out["calib/skipped_empty"] == 1.0 and run.controller.bounds == bounds
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "step 7: calibration skipped (calib/skipped_crossed); bounds kept, retried next step"),
-        ("INFO", "step 8: previous bound kept (high_edge, high_undefined, low_edge)")]
+        ("INFO", "step 8: previous bound kept (high_edge, high_undefined, low_edge)"),
+        ("WARNING", "step 11: calibration skipped (calib/skipped_empty); bounds kept, retried next step")]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron_rl.loop.phases"):
         for name in ("high_unattainable", "high_no_bf16_upper_clip"):
-            phases._log_calibration(run, _calibration_out(**{name: 1.0}), 3)
+            phases._log_calibration(_calibration_out(**{name: 1.0}), 3)
     assert [r.getMessage() for r in caplog.records] == [
         "step 3: previous bound kept (high_unattainable)", "step 3: previous bound kept (high_no_bf16_upper_clip)"]
 
@@ -684,6 +689,23 @@ def test_a_skipped_calibration_warns_with_its_reason_and_a_kept_bound_is_named(m
 def test_one_model_parallel_rank_has_nothing_to_compare(make_run):
     run = make_run(sync=False)
     phases.assert_same_across_model_parallel((0.8, 1.2), run.parallel)  # TP = PP = 1: no collective
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
+def test_the_bounds_are_compared_over_the_model_parallel_group_whatever_its_shape(monkeypatch, tp, pp):
+    """The gather itself runs on real ranks (tests/dist/test_calib_model_parallel.py); here, which
+    layouts gather, on which group, and what a mismatch anywhere in the group does."""
+    group, calls = object(), []
+    parallel = SimpleNamespace(tp_size=tp, pp_size=pp, mp_group=group)
+    for gathered, differs in (([(0.8, 1.2)] * (tp * pp)), False), ([(0.8, 1.2)] * (tp * pp - 1) + [(0.8, 1.3)], True):
+        monkeypatch.setattr(phases.collectives, "all_gather_objects",
+                            lambda obj, g, out=gathered: calls.append((obj, g)) or list(out))
+        if differs and tp * pp > 1:
+            with pytest.raises(RuntimeError, match=r"differ across the model-parallel group: .*\(0\.8, 1\.3\)"):
+                phases.assert_same_across_model_parallel([0.8, 1.2], parallel)
+        else:
+            phases.assert_same_across_model_parallel([0.8, 1.2], parallel)
+    assert calls == ([] if tp * pp == 1 else [((0.8, 1.2), group)] * 2)
 
 
 def test_the_calibration_histogram_keeps_the_tokens_the_runs_icepop_bounds_keep(make_run):
