@@ -24,9 +24,42 @@ from loop_trace import check_sample_flow, trace_run  # noqa: E402
 PER_RANK = ("time/", "sync/seconds", "sync/gb_per_s")  # wall-clock metrics differ by rank
 
 
+def _recording_waits(mp) -> tuple[list, callable]:
+    """Every object broadcast and barrier of the run, with its group named against the run's own
+    groups (`setup` of trace_run captures them): the gloo twins "mp" / "dp" / "world" of the host
+    groups, the trainer's own "trainer mp" / "trainer dp", "default" (None) or "other"."""
+    from megatron_rl import collectives
+
+    waits, groups = [], {}
+
+    def name(group):
+        if group is None:
+            return "default"
+        return next((k for k, g in groups.items() if g is group), "other")
+
+    def setup(run_):
+        h, p = run_.host_groups, run_.parallel
+        groups.update({"mp": h.mp, "dp": h.dp, "world": h.world, "trainer mp": p.mp_group, "trainer dp": p.dp_group})
+
+    real_broadcast, real_barrier = collectives.broadcast_object, collectives.barrier
+
+    def broadcast_object(obj, src, group):
+        waits.append(("broadcast", name(group)))
+        return real_broadcast(obj, src, group)
+
+    def barrier(group):
+        waits.append(("barrier", name(group)))
+        real_barrier(group)
+    mp.setattr(collectives, "broadcast_object", broadcast_object)
+    mp.setattr(collectives, "barrier", barrier)
+    return waits, setup
+
+
 def _dp_part(log_dir: str) -> list[dict]:
-    trace = trace_run(Path(log_dir), "fp8_calibrated.yaml", "train.num_steps=2", "calib.period=1",
-                      "train.lr=3e-3")
+    with pytest.MonkeyPatch.context() as mp:
+        waits, setup = _recording_waits(mp)
+        trace = trace_run(Path(log_dir), "fp8_calibrated.yaml", "train.num_steps=2", "calib.period=1",
+                          "train.lr=3e-3", setup=setup)
     out = []
     for step in trace.steps:
         (prompts,), (generate,) = step.of("prompts"), step.of("generate")
@@ -36,16 +69,20 @@ def _dp_part(log_dir: str) -> list[dict]:
             "metrics": {k: v for k, v in step.metrics.items() if not k.startswith(PER_RANK)},
             **{k: step.state[k] for k in ("controller", "params", "engine_sums", "trainer_sums", "loader")},
         })
+    out[-1]["waits"] = waits
     return out
 
 
 def _tp_part(log_dir: str) -> dict:
-    trace = trace_run(Path(log_dir), "fp8_calibrated.yaml", "train.num_steps=1", "train.lr=3e-3",
-                      "parallel.tensor_model_parallel_size=2")
+    with pytest.MonkeyPatch.context() as mp:
+        waits, setup = _recording_waits(mp)
+        trace = trace_run(Path(log_dir), "fp8_calibrated.yaml", "train.num_steps=1", "train.lr=3e-3",
+                          "parallel.tensor_model_parallel_size=2", setup=setup)
     (step,) = trace.steps
     if step.of("generate"):
         check_sample_flow(trace, step)
-    return {"num_generate": len(step.of("generate")), "train": [e.data["batch"] for e in step.of("train")],
+    return {"waits": waits,
+            "num_generate": len(step.of("generate")), "train": [e.data["batch"] for e in step.of("train")],
             "num_score": len(step.of("score")),
             "metrics": {k: v for k, v in step.metrics.items() if not k.startswith(PER_RANK)},
             **{k: step.state[k] for k in ("controller", "engine_sums", "trainer_sums")}}
@@ -116,6 +153,16 @@ def test_tp_peer_receives_the_engine_ranks_samples_and_trains_the_same_batch(ran
     m0, m1 = ({k: v for k, v in t["metrics"].items() if not k.startswith("sync/")} for t in (t0, t1))
     assert _same(m0, m1), {k: (m0.get(k), m1.get(k)) for k in m0.keys() | m1.keys() if m0.get(k) != m1.get(k)}
     assert t0["controller"] == t1["controller"]
+
+
+def test_the_long_waits_run_on_the_gloo_twins(ranks):
+    """The rollout's waits (samples and rewards broadcast to a TP peer; replicas meeting after their
+    rollouts) run on the host groups' gloo twins: NCCL's watchdog would abort a long rollout."""
+    def phases(waits):  # the build's and the checkpoint's waits are on the default group or their own
+        return [w for w in waits if w[1] not in ("default", "other")]
+    for rank in ranks:
+        assert phases(rank["tp"]["waits"]) == [("broadcast", "mp"), ("barrier", "dp"), ("broadcast", "mp")]
+        assert phases(rank["dp"][-1]["waits"]) == [("barrier", "dp")] * 2  # one rollout round per step
 
 
 def test_dp_refill_trains_exactly_prompts_per_step_groups_over_both_ranks(ranks):
