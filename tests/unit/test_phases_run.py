@@ -310,17 +310,44 @@ def _constant(response: str, answer: str) -> float:
     return 0.25
 
 
-def test_a_step_whose_groups_all_drop_is_skipped_after_max_gen_batches(make_run):
+def test_a_step_whose_groups_all_drop_is_skipped_after_max_gen_batches(make_run, caplog):
     register_reward_fn("test_phases_constant", _constant)
     run = make_run("algo.dynamic_sampling=true", "algo.max_gen_batches=3", "reward.name=test_phases_constant")
     calls = spy_engine(run)
-    rollout = phases.generate(run, run.loader.next_batch(), step=2)
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.loop.refill"):
+        rollout = phases.generate(run, run.loader.next_batch(), step=2)
+    assert any(m.startswith("step 2: 0 of 4 informative groups after algo.max_gen_batches=3") for m in caplog.messages)
     assert rollout.batch is None
     m = rollout.metrics
     assert (m["step/skipped"], m["dapo/gen_batches"], m["dapo/kept_groups"], m["dapo/kept_fraction"]) == (1.0, 3.0, 0.0, 0.0)
     assert m["dynamic_sampling/kept_frac"] == 0.0 and m["reward/mean"] == 0.25
     assert len(calls) == 3 and len({sampling.seed for _, sampling, _ in calls}) == 3  # each round its own draw
     assert len({tuple(ids[0]) for ids, _, _ in calls}) == 3  # and its own prompts
+
+
+def test_dynamic_sampling_reports_the_kept_share_of_the_target(make_run):
+    register_reward_fn("test_phases_varied", _varied)
+    run = make_run("algo.dynamic_sampling=true", "reward.name=test_phases_varied")
+    m = phases.generate(run, run.loader.next_batch(), step=0).metrics
+    kept = m["dapo/kept_groups"]
+    assert kept == run.cfg.data.prompts_per_step == 4 and m["dapo/kept_fraction"] == kept / 4 == 1.0
+
+
+def test_dynamic_sampling_keeps_a_group_by_its_shaped_rewards(make_run, monkeypatch):
+    """DAPO drops a group whose rewards (accuracy + overlong penalty) are all equal: a right but
+    overlong answer (1 - 1) next to wrong short ones (0) carries no signal."""
+    run = make_run("algo.dynamic_sampling=true")
+    n = run.cfg.rollout.n_samples_per_prompt
+    groups = run.cfg.data.prompts_per_step
+    accuracy = torch.zeros(groups * n)
+    accuracy[0::n] = 1.0  # one right answer per group
+    penalty = torch.zeros(groups * n)
+    penalty[0] = -1.0  # group 0: that answer ran over the length budget
+    monkeypatch.setattr(phases, "_score_on_engine_rank", lambda run_, prompts, samples: (accuracy.clone(), {}, None))
+    monkeypatch.setattr(phases, "_overlong", lambda run_, samples: penalty.clone())
+    first = phases._sample_round(run, run.loader.next_batch(), 0, 0)
+    assert first.keep.tolist() == [False] * n + [True] * (groups - 1) * n
+    assert first.counts.tolist() == [groups - 1]
 
 
 # --- prepare -----------------------------------------------------------------------------------------
