@@ -302,8 +302,15 @@ def run_module(module: str, tests: list[str], max_children: int, timeout_s: floa
         chosen = _sample(work, env, sample, seed, max_children, timeout_s) if sample else []
     for attempt in range(2):
         with open(work / "mutmut.log", "a" if attempt or chosen else "w") as log:
-            proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *chosen],
-                                  cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+            try:
+                proc = subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *chosen],
+                                      cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+            except subprocess.TimeoutExpired:  # mutmut keeps its verdicts: the same command resumes
+                every = _results(work)
+                judged = sum(status != "not checked" for status in every.values())
+                raise SystemExit(f"{module}: mutmut stopped at the wall-clock limit (--timeout-s {timeout_s:.0f}) "
+                                 f"with {judged} of {len(every)} mutants judged; run the same "
+                                 "command again to resume") from None
         every = _results(work)
         statuses = {name: every[name] for name in chosen} if chosen else every  # a sample's, or a rerun's
         # mutmut 3.8's first run in a fresh folder (the one that generates the mutants) can stop at
@@ -341,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("modules", nargs="*", help="paths of MODULES keys (default: all)")
     parser.add_argument("--list", action="store_true", help="print the module -> tests map and exit")
     parser.add_argument("--max-children", type=int, default=2, help="parallel mutant runs (default 2)")
-    parser.add_argument("--timeout-s", type=float, default=3600, help="wall-clock limit per module")
+    parser.add_argument("--timeout-s", type=float, default=4 * 3600,
+                        help="wall-clock limit of mutmut's run per module (phases in full: about 65 minutes)")
     parser.add_argument("--sample", type=int, default=None,
                         help="run this many mutants per module, drawn at random (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="the draw's seed (with --sample)")
