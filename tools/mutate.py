@@ -107,7 +107,7 @@ SPAWNED["megatron_rl/collectives.py"]["gloo_subgroup"] = SPAWNED["megatron_rl/co
 # The phases' data-parallel reductions (a one-process run reduces nothing): DP=2 against one process.
 SPAWNED["megatron_rl/loop/phases.py"] = {
     name: ["tests/dist/test_phases_dp.py"]
-    for name in ("update_policy", "_denominator", "_reduced_means", "_reduce_sum", "_reference", "_kl_in_reward",
+    for name in ("update_policy", "_advantages", "_denominator", "_reduced_means", "_reduce_sum", "_reference", "_kl_in_reward",
                  "_calibrate", "_length_metrics", "_rollout_metrics", "_component_means", "_count_nonfinite")}
 # build_rollout's placement path with more than one rank: owner and client on one host; then the
 # built runs of one host (DP=2) and of two hosts (TP=2 x DP=2: an owner at rank 2, TP peers as IPC peers).

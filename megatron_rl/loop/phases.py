@@ -257,9 +257,7 @@ def _kept_batch(run, rounds: list["_Round"], taken: list[int], most: int) -> Bat
     rewards = torch.cat(rewards)
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     lengths[real:] = 0.0
-    advantages = _advantages(run, rewards, lengths)
-    advantages[real:] = 0.0
-    batch = collate(samples, advantages, run.tokenizer.pad_token_id)
+    batch = collate(samples, _advantages(run, rewards, lengths), run.tokenizer.pad_token_id)
     batch["loss_mask"][real:] = 0.0
     batch["advantages"][real:] = 0.0
     if run.cfg.algo.kl_reward_coef > 0:

@@ -34,6 +34,10 @@ def varied(response: str, answer: str) -> dict:
     return {"score": score, "twice": 2 * score, **extra}
 
 
+# REINFORCE++ inputs per rank (one group of 4 each): rewards, response tokens per sample
+RPP_SHARDS = [([1.0, 0.0, 0.5, 0.0], [3.0, 1.0, 2.0, 5.0]), ([0.0, 1.0, 1.0, 0.25], [2.0, 2.0, 0.0, 4.0])]
+
+
 def _cfg(log_dir: str):
     from megatron_rl.config import load_config
 
@@ -59,8 +63,11 @@ def _worker(rank: int, world_size: int, log_dir: str) -> dict:
             batch["advantages"] = batch["advantages"] * batch["loss_mask"]
         before = {k: batch[k].clone() for k in BATCH_KEYS}
         metrics.update(phases.update_policy(run, batch, 0))
+        run.cfg.algo.advantage_estimator = "reinforce_plus_plus_baseline"  # whitened over both ranks' tokens
+        rewards, counts = RPP_SHARDS[rank]
+        rpp = phases._advantages(run, torch.tensor(rewards), torch.tensor(counts))
         return {"batch": before, "prepared": prepared, "metrics": {k: v for k, v in metrics.items() if not k.startswith(PER_RANK)},
-                "dp_size": run.parallel.dp_size}
+                "dp_size": run.parallel.dp_size, "rpp": rpp}
     finally:
         run.finish()
         destroy_parallel()
@@ -123,3 +130,17 @@ def test_dp2_reference_and_rollout_metrics_are_over_both_ranks(ranks):
     lengths = union["loss_mask"].sum(-1)
     assert r0["metrics"]["response_length/mean"] == pytest.approx(float(lengths.mean()), rel=1e-6)
     assert r0["metrics"]["response_length/max"] == float(lengths.max())
+
+
+def test_dp2_reinforce_plus_plus_whitens_over_both_ranks_tokens(ranks):
+    """Group-centred rewards whitened by the mean and unbiased variance over every response token of
+    both ranks, by hand; a rank whitening its own shard would give other values."""
+    centred, tokens = [], []
+    for rewards, counts in RPP_SHARDS:
+        mean = sum(rewards) / len(rewards)
+        centred += [r - mean for r in rewards]
+        tokens += [r - mean for r, c in zip(rewards, counts) for _ in range(int(c))]
+    mu = sum(tokens) / len(tokens)
+    var = sum((t - mu) ** 2 for t in tokens) / (len(tokens) - 1)
+    expected = torch.tensor([(c - mu) / (var + 1e-8) ** 0.5 for c in centred])
+    torch.testing.assert_close(torch.cat([r["rpp"] for r in ranks]), expected)

@@ -449,6 +449,16 @@ def _rpp(rewards: torch.Tensor, counts: torch.Tensor, n: int = N) -> torch.Tenso
     return torch.tensor([(c - mean) / math.sqrt(var + 1e-8) for c in centred])
 
 
+def test_reinforce_plus_plus_whitens_over_the_kept_rows_only(make_run):
+    run = make_run("algo.advantage_estimator=reinforce_plus_plus_baseline", "algo.dynamic_sampling=true")
+    dropped = _round(_samples(10), [1.0, 1.0, 1.0, 1.0], [False] * 4)
+    kept = _round(_samples(20), [1.0, 0.0, 0.0, 1.0], [True] * 4)
+    batch = phases._kept_batch(run, [dropped, kept], taken=[0, 1], most=2)  # 4 kept rows, then 4 masked
+    expected = _rpp(torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    torch.testing.assert_close(per_row(batch, "advantages")[:N], expected)
+    assert batch["advantages"][N:].abs().sum() == 0
+
+
 def test_kl_in_reward_whitens_the_kept_rows_only_and_leaves_the_padding_at_zero(make_run):
     run = make_run("algo.kl_reward_coef=0.5", "algo.kl_reward_type=k2", "algo.ref_precision=bf16",
                    "algo.advantage_estimator=reinforce_plus_plus_baseline", "algo.dynamic_sampling=true")
