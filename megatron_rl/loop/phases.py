@@ -95,14 +95,15 @@ def _length_metrics(run, samples) -> tuple[dict[str, torch.Tensor], float]:
     return {"response_length/mean": lengths, "response_length/clip_ratio": truncated}, float(longest[0])
 
 
-def _component_means(run, metrics: dict) -> dict[str, torch.Tensor]:
+def _component_means(run, metrics: dict, size: int) -> dict[str, torch.Tensor]:
     """Pop the reward components (lists) out of `metrics`; every DP rank gets the same names (the
-    union, missing ones 0.0), so the one reduction that averages them has one shape everywhere."""
+    union), so the one reduction that averages them has one shape everywhere. A name this rank
+    lacks counts 0.0 for each of its `size` responses (a rank none of whose rewards gave components
+    still weighs in with all of them)."""
     mine = {k: metrics.pop(k) for k in [k for k, v in metrics.items() if isinstance(v, list)]}
     names = sorted(mine)
     if run.parallel.dp_size > 1:
         names = sorted({k for ks in collectives.all_gather_objects(names, run.parallel.dp_group) for k in ks})
-    size = len(next(iter(mine.values()))) if mine else 1
     return {k: torch.tensor(mine.get(k, [0.0] * size), dtype=torch.float32) for k in names}
 
 
@@ -223,7 +224,7 @@ def _rollout_metrics(run, rounds: list["_Round"]) -> dict[str, float]:
     length_means, longest = _length_metrics(run, [s for r in rounds for s in r.samples])
     names = sorted({k for r in rounds for k in r.components})
     listed = {k: [v for r in rounds for v in r.components.get(k, [0.0] * len(r.samples))] for k in names}
-    components = _component_means(run, listed)
+    components = _component_means(run, listed, len(rewards))
     means = {"reward/mean": rewards, "reward/sq": rewards**2, "reward/accuracy": cat("accuracy"),
              "reward/overlong_penalty": cat("penalty"), **length_means,
              "dynamic_sampling/kept_frac": cat("keep").float(), **components}
