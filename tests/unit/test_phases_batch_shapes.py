@@ -85,3 +85,23 @@ def test_reward_components_count_zero_for_every_response_of_a_rank_that_lacks_th
     run.parallel.dp_size = 1
     means = phases._component_means(run, {"reward/only": [0.25]}, 1)
     assert {k: v.tolist() for k, v in means.items()} == {"reward/only": [0.25]}
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_samples_go_from_the_replicas_first_rank_over_the_gloo_twin(monkeypatch, tp, pp):
+    """The broadcast itself runs on real ranks (tests/dist/test_rl_loop_ranks.py, the 4-rank grid);
+    here, for every layout, which group carries it and which global rank sends: the first of the
+    replica's model-parallel group (global ranks 2 and 3 here: the second replica of a grid)."""
+    twin, trainer, sent = object(), object(), []
+    ranks = {twin: [2, 3], trainer: [2, 3]}
+    monkeypatch.setattr(phases.collectives, "global_rank", lambda group, rank: ranks[group][rank])
+    monkeypatch.setattr(phases.collectives, "broadcast_object",
+                        lambda obj, src, group: sent.append((obj, src, group)) or "received")
+    parallel = SimpleNamespace(tp_size=tp, pp_size=pp, mp_group=trainer)
+    with_twin = phases._broadcast_from_engine_rank(["s"], parallel, SimpleNamespace(mp=twin))
+    without = phases._broadcast_from_engine_rank(["s"], parallel, None)
+    if tp * pp == 1:
+        assert (with_twin, without, sent) == (["s"], ["s"], [])  # one rank per replica: nothing to send
+    else:
+        assert (with_twin, without) == ("received", "received")
+        assert sent == [(["s"], 2, twin), (["s"], 2, trainer)]  # no gloo twin: the trainer's own group
