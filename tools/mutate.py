@@ -121,6 +121,8 @@ SPAWNED["megatron_rl/loop/build.py"]["build_run"] = [
     "[parallel.pipeline_model_parallel_size=2]"]  # PP=2 under torchrun
 SPAWNED["megatron_rl/loop/phases.py"].update({
     "assert_same_across_model_parallel": ["tests/dist/test_calib_model_parallel.py"],  # TP=2 ranks
+    # DP=2 reduces the histogram; the TP=2 loop calibrates and compares (L, H) across the replica
+    "_calibrate": ["tests/dist/test_phases_dp.py", "tests/dist/test_rl_loop_ranks.py"],
     "_histogram_payload": ["tests/e2e/test_calib_dump.py"],  # rebuilt by hand from a run's dump (a subprocess)
     # TP=2: only the engine rank samples and scores; its peer receives both (and DP=2 shards)
     **{name: ["tests/dist/test_rl_loop_ranks.py"]
