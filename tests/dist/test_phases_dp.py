@@ -63,11 +63,15 @@ def _worker(rank: int, world_size: int, log_dir: str) -> dict:
             batch["advantages"] = batch["advantages"] * batch["loss_mask"]
         before = {k: batch[k].clone() for k in BATCH_KEYS}
         metrics.update(phases.update_policy(run, batch, 0))
+        # a second update of the same batch: its first mini-batch is no longer at theta_old, so the
+        # noise/* and shadow/* metrics (first and calibration mini-batch) are non-zero, and per rank
+        second = phases.update_policy(run, batch, 1)
+        second = {k: v for k, v in second.items() if k.startswith(("noise/", "shadow/"))}
         run.cfg.algo.advantage_estimator = "reinforce_plus_plus_baseline"  # whitened over both ranks' tokens
         rewards, counts = RPP_SHARDS[rank]
         rpp = phases._advantages(run, torch.tensor(rewards), torch.tensor(counts))
         return {"batch": before, "prepared": prepared, "metrics": {k: v for k, v in metrics.items() if not k.startswith(PER_RANK)},
-                "dp_size": run.parallel.dp_size, "rpp": rpp}
+                "dp_size": run.parallel.dp_size, "rpp": rpp, "second": second}
     finally:
         run.finish()
         destroy_parallel()
@@ -144,3 +148,11 @@ def test_dp2_reinforce_plus_plus_whitens_over_both_ranks_tokens(ranks):
     var = sum((t - mu) ** 2 for t in tokens) / (len(tokens) - 1)
     expected = torch.tensor([(c - mu) / (var + 1e-8) ** 0.5 for c in centred])
     torch.testing.assert_close(torch.cat([r["rpp"] for r in ranks]), expected)
+
+
+def test_dp2_first_and_calibration_mini_batch_metrics_are_over_both_ranks(ranks):
+    r0, r1 = (r["second"] for r in ranks)
+    assert r0.keys() == r1.keys() and {"noise/log_ratio_std_at_old", "shadow/log_ratio_fp8_std"} <= r0.keys()
+    assert r0["noise/log_ratio_std_at_old"] > 0 and r0["shadow/log_ratio_fp8_std"] > 0  # not vacuous
+    for key in r0:
+        assert r0[key] == r1[key], key
