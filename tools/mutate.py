@@ -1,6 +1,6 @@
 """Mutation testing (mutmut 3) of the orchestration tier, one module at a time against its own tests.
 
-    python tools/mutate.py                          # every module of MODULES (about 12 hours on 2 cores)
+    python tools/mutate.py                          # every module of MODULES (hours on 2 cores: phases and build about an hour each)
     python tools/mutate.py megatron_rl/collectives.py megatron_rl/data/loader.py
     python tools/mutate.py --sample 60 megatron_rl/loop/phases.py   # 60 of its mutants, drawn (seeded)
     python tools/mutate.py --list                   # the module -> tests map
@@ -39,8 +39,8 @@ COPY = ("megatron_rl", "tests", "examples", "pytest.ini", "setup.py", "Makefile"
 # on sys.path, ahead of PYTHONPATH's mutated copy.
 MUTMUT = str(Path(sys.executable).with_name("mutmut"))
 
-# module -> the tests a developer runs for it (fast, in-process first; pytest arguments). On 2 cores all of them take
-# about 12 hours (phases 3, build 2, the SGLang engine about 4; docs/testing.md has the measured times).
+# module -> the tests a developer runs for it (fast, in-process first; pytest arguments). On 2 cores mutmut's own run
+# of phases takes about 65 minutes and of build about 50, then the spawned stage (docs/testing.md has the measured times).
 MODULES: dict[str, list[str]] = {
     # Megatron's async writer (a process forked from the mutant's forked worker) does not finish
     # under mutmut's runner: the async test runs in the ordinary suite (docs/testing.md).
