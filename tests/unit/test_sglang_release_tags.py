@@ -43,3 +43,25 @@ def test_protocol_tags_bring_the_cuda_graphs_back(qwen2_dir, monkeypatch):
         assert set(RELEASE_TAGS) == {"weights"} | set(RESUME_AFTER_SYNC)  # every released tag comes back
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("releases", [[("weights",)], [None], [("weights",), ("kv_cache",)]])
+def test_unit_kv_scales_must_come_again_once_the_weights_were_released(qwen2_dir, releases):
+    """SGLang keeps k_scale / v_scale in its weight memory: releasing the KV cache alone keeps them
+    (an update without scales is fine with unit scales), releasing the weights (by tag, or every
+    region when no tag is named) discards them, so the next update must bring them, whatever was
+    released after them."""
+    engine = make_engine(qwen2_dir, num_servers=1, max_retries=0, kv_cache_dtype="fp8_e4m3", kv_scales="unit")
+    try:
+        engine.release_memory(("kv_cache",))
+        engine.resume_memory(("kv_cache",))
+        _update(engine, qwen2_dir)  # no k_scale / v_scale sent: the weights held their scales
+        assert engine.weight_version == 1
+        for tags in releases:
+            engine.release_memory(tags)
+        for tags in releases:
+            engine.resume_memory(tags)
+        with pytest.raises(ValueError, match="weights released since the last one"):
+            _update(engine, qwen2_dir)
+    finally:
+        engine.shutdown()
