@@ -30,7 +30,7 @@ test: setup
 	$(VENV)/bin/lint-imports --no-cache  # the layering contract (.importlinter); a violation names the import
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15 tests  # the slowest tests are named in the log
 
-mutate: setup  # mutation testing of the orchestration tier (hours on 2 cores for every module, a module at a time: phases and build about an hour each; not in CI): docs/testing.md
+mutate: setup  # mutation testing of the orchestration tier (hours on 2 cores, a module at a time; not in CI): docs/testing.md
 	$(PY) -m pip install -q -e ".[mutate]"
 	$(PY) tools/mutate.py
 

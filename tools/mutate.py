@@ -1,6 +1,6 @@
 """Mutation testing (mutmut 3) of the orchestration tier, one module at a time against its own tests.
 
-    python tools/mutate.py                          # every module of MODULES (hours on 2 cores: phases and build about an hour each)
+    python tools/mutate.py                          # every module of MODULES (hours on 2 cores)
     python tools/mutate.py megatron_rl/collectives.py megatron_rl/data/loader.py
     python tools/mutate.py --sample 60 megatron_rl/loop/phases.py   # 60 of its mutants, drawn (seeded)
     python tools/mutate.py --list                   # the module -> tests map
@@ -39,8 +39,9 @@ COPY = ("megatron_rl", "tests", "examples", "pytest.ini", "setup.py", "Makefile"
 # on sys.path, ahead of PYTHONPATH's mutated copy.
 MUTMUT = str(Path(sys.executable).with_name("mutmut"))
 
-# module -> the tests a developer runs for it (fast, in-process first; pytest arguments). On 2 cores mutmut's own run
-# of phases takes about 65 minutes and of build about 50, then the spawned stage (docs/testing.md has the measured times).
+# module -> the tests a developer runs for it (fast, in-process first; pytest arguments). On 2 cores mutmut's
+# own run of phases takes about 65 minutes and of build about 50, then the spawned stage (docs/testing.md
+# has the measured times).
 MODULES: dict[str, list[str]] = {
     # Megatron's async writer (a process forked from the mutant's forked worker) does not finish
     # under mutmut's runner: the async test runs in the ordinary suite (docs/testing.md).
@@ -107,8 +108,9 @@ SPAWNED["megatron_rl/collectives.py"]["gloo_subgroup"] = SPAWNED["megatron_rl/co
 # The phases' data-parallel reductions (a one-process run reduces nothing): DP=2 against one process.
 SPAWNED["megatron_rl/loop/phases.py"] = {
     name: ["tests/dist/test_phases_dp.py"]
-    for name in ("update_policy", "_advantages", "_denominator", "_reduced_means", "_reduce_sum", "_reference", "_kl_in_reward",
-                 "_calibrate", "_length_metrics", "_rollout_metrics", "_component_means", "_count_nonfinite")}
+    for name in ("update_policy", "_advantages", "_denominator", "_reduced_means", "_reduce_sum", "_reference",
+                 "_kl_in_reward", "_calibrate", "_length_metrics", "_rollout_metrics", "_component_means",
+                 "_count_nonfinite")}
 # build_rollout's placement path with more than one rank: owner and client on one host; then the
 # built runs of one host (DP=2) and of two hosts (TP=2 x DP=2: an owner at rank 2, TP peers as IPC peers).
 SPAWNED["megatron_rl/loop/build.py"] = {name: ["tests/dist/test_build_rollout_ranks.py",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from loop_trace import check_sample_flow, trace_run  # noqa: E402
 PER_RANK = ("time/", "sync/seconds", "sync/gb_per_s")  # wall-clock metrics differ by rank
 
 
-def _recording_waits(mp) -> tuple[list, callable]:
+def _recording_waits(mp) -> tuple[list, Callable]:
     """Every object broadcast and barrier of the run, with its group named against the run's own
     groups (`setup` of trace_run captures them): the gloo twins "mp" / "dp" / "world" of the host
     groups, the trainer's own "trainer mp" / "trainer dp", "default" (None) or "other"."""
