@@ -10,7 +10,11 @@ or point `rollout.sglang.router_command` at `[python, tests/doubles/sglang_route
 
 Behaviours (sgl-router / sgl-model-gateway, RouterArgs in sglang_router/router_args.py):
 - `--api-key` is the gateway-to-worker key: every forwarded request carries `Authorization: Bearer
-  KEY`; without it, workers started with --api-key answer 401, which the router passes back.
+  KEY`; without it, workers started with --api-key answer 401, which the router passes back. The
+  same key guards the gateway's own routes: /generate and /workers without `Authorization: Bearer
+  KEY` are answered 401 before any worker sees them, while /health, /readiness and /liveness stay
+  open (sgl-model-gateway src/server.rs `build_app`: protected, worker and public routes;
+  src/middleware.rs `auth_middleware`).
 - `--request-timeout-secs` (default 1800) bounds one forwarded request; past it the router answers
   504 although the worker may still be generating (a 16K-token rollout can take longer).
 - /generate is parsed as the gateway's typed GenerateRequest and forwarded re-serialized (fields it
@@ -78,12 +82,21 @@ class Router:
 
 def make_handler(router: Router):
     class Handler(QuietHandler):
+        def authorized(self) -> bool:
+            key = router.args.api_key
+            if not key or self.headers.get("Authorization") == f"Bearer {key}":
+                return True
+            self.reply(401, b"")  # auth_middleware answers a bare StatusCode::UNAUTHORIZED
+            return False
+
         def do_GET(self):
             path = self.path.split("?")[0]
             if path in ("/health", "/readiness", "/liveness"):
                 return self.reply(200, b"")
             if path == "/workers":
-                return self.reply(200, {"urls": list(router.balancer.load)})
+                if self.authorized():
+                    self.reply(200, {"urls": list(router.balancer.load)})
+                return
             if path == "/double/routed":
                 return self.reply(200, dict(router.balancer.routed))
             self.reply(404, {"error": "not found"})
@@ -92,6 +105,8 @@ def make_handler(router: Router):
             data = self.body()
             if self.path.split("?")[0] != "/generate":
                 return self.reply(404, {"error": "the router double proxies /generate only"})
+            if not self.authorized():
+                return
             status, body = decode(data, self.headers.get("Content-Type"))
             if status != 200:
                 return self.reply(status, body)

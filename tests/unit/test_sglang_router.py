@@ -3,14 +3,20 @@ and refusals (4xx) reported once instead of retried."""
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 
 from router_protocol import CacheAware, Unprocessable, parse_generate
-from sglang_testing import DOUBLES_TIMEOUT_S, free_port_block, make_engine, needs_sglang_source
+from sglang_testing import (DOUBLES_TIMEOUT_S, ROUTER_COMMAND, START_S, free_port_block, make_engine,
+                            needs_sglang_source)
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout import sglang_engine as engine_mod
-from megatron_rl.rollout.sglang_engine import RolloutRequestError, request_chunks
+from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError
+from megatron_rl.rollout.sglang_config import SGLangConfig
+from megatron_rl.rollout.sglang_engine import RolloutRequestError, RolloutUnavailableError, SGLangEngine, request_chunks
 
 PROMPTS = [[3, 17, 42, 5], [9, 9, 1], [60, 2, 33, 7, 11], [4], [80, 81], [5, 6, 7]]
 
@@ -77,3 +83,55 @@ def test_a_refused_request_is_reported_once_not_retried(routed, monkeypatch):
     with pytest.raises(RolloutRequestError, match="HTTP 422 .*not retried.*single sampling_params"):
         routed.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, n=2))
     assert routed.stats["retries"] == retries
+
+
+def router_over(routed, **cfg_kw) -> SGLangConfig:
+    """A second router, launched by a new engine, in front of the `routed` fixture's servers."""
+    cfg_kw.setdefault("router_command", ROUTER_COMMAND)
+    return SGLangConfig(server_urls=[s.url for s in routed.servers], launch_router=True,
+                        router_port=free_port_block(1), **cfg_kw)
+
+
+@needs_sglang_source
+@pytest.mark.timeout(DOUBLES_TIMEOUT_S)
+def test_a_launched_router_logs_into_the_log_dir_takes_the_key_and_the_client_gives_up_first(
+        routed, tmp_path, caplog):
+    """The router's own output lands in <log_dir>/sglang_router.log; the gateway answers 401 to a
+    /generate without the key; a request stuck on a paused worker ends at the client's
+    request_timeout_s (then retried or reported), not at the router's longer timeout."""
+    cfg = router_over(routed, request_timeout_s=2.0, router_request_timeout_s=90.0, max_retries=0,
+                      startup_timeout_s=START_S)
+    engine = SGLangEngine(cfg, "served-by-the-urls", log_dir=tmp_path)
+    try:
+        assert f"sglang router double on 127.0.0.1:{cfg.router_port}" in (tmp_path / "sglang_router.log").read_text()
+        with pytest.raises(SGLangHTTPError) as refused:
+            SGLangClient(engine.router.url, "not-the-key").post("/generate", {"input_ids": [1, 2]})
+        assert refused.value.status == 401
+        samples = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert [len(s.response_ids) for s in samples] == [2, 2]
+
+        for server in routed.servers:  # the double holds a new /generate while paused, as SGLang does
+            server.client.post("/pause_generation", {"mode": "in_place"})
+        caplog.set_level(logging.WARNING, logger="megatron_rl.rollout.sglang")
+        with pytest.raises(RolloutUnavailableError, match="a /generate request failed 1 times"):
+            engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        failures = [r.getMessage() for r in caplog.records if "generate on" in r.getMessage()]
+        assert len(failures) == 1 and "timed out" in failures[0] and "HTTP 504" not in failures[0], failures
+    finally:
+        for server in routed.servers:
+            server.client.post("/continue_generation", {})
+        engine.shutdown()
+    assert not engine._router_proc.alive()
+
+
+@needs_sglang_source
+@pytest.mark.timeout(DOUBLES_TIMEOUT_S)
+def test_a_router_that_exits_at_startup_is_named_with_the_end_of_its_log(routed, tmp_path):
+    """Not a wait for startup_timeout_s: the router's process is watched like a server's."""
+    exits = [sys.executable, "-c", "import sys; print('error: unexpected argument --policy'); sys.exit(2)"]
+    cfg = router_over(routed, router_command=exits, startup_timeout_s=60.0)
+    with pytest.raises(RuntimeError) as failed:
+        SGLangEngine(cfg, "served-by-the-urls", log_dir=tmp_path)
+    log = tmp_path / "sglang_router.log"
+    assert str(failed.value) == (f"SGLang server http://127.0.0.1:{cfg.router_port} exited during startup "
+                                 f"(exit code 2); the end of {log}:\nerror: unexpected argument --policy")
