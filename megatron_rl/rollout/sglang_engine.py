@@ -289,10 +289,12 @@ class SGLangEngine(RolloutEngine):
         if flat.is_cuda:
             _sglang.patch_cuda_ipc_reductions()
         payload = serialize_flattened(flat, meta)
-        for s in self.servers:
-            self.broadcast("/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload] * s.tp_size, "load_format": LOAD_FORMAT,
-                "flush_cache": False, "weight_version": str(version)}, servers=[s])
+        # One payload per server (each has one TP rank, checked above). No flush per bucket: SGLang
+        # fails the update when a request runs or waits at its flush (weight_updater.py:120-133 of
+        # scheduler_components); finish_update flushes once, retried.
+        self.broadcast("/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload], "load_format": LOAD_FORMAT,
+            "flush_cache": False, "weight_version": str(version)})
         self.note_sent(n for n, _ in bucket)
 
     def update_weights_from_disk(self, path: str | Path, version: int) -> None:
@@ -364,9 +366,10 @@ class SGLangEngine(RolloutEngine):
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
         self.broadcast("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
 
-    def check_weights(self, action: str = "checksum", allow_quant_error: bool = False) -> list[dict]:
-        """SGLang's /weights_checker on every server (checksum | snapshot | reset_tensors | compare)."""
-        return self.broadcast("/weights_checker", {"action": action, "allow_quant_error": allow_quant_error})
+    def check_weights(self, action: str = "checksum") -> list[dict]:
+        """SGLang's /weights_checker on every server (checksum | snapshot | reset_tensors | compare;
+        compare runs with SGLang's default allow_quant_error=False)."""
+        return self.broadcast("/weights_checker", {"action": action})
 
     def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
         raise NotImplementedError(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import threading
+import time
 
 import pytest
 import torch
@@ -71,7 +73,8 @@ def fp8_dir(qwen2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(fp8_dir):
-    eng = make_engine(fp8_dir, extra_by_server={0: ["--defer-copies"]})
+    # --health-generate-s: a probe of /health_generate is a request in flight for that long
+    eng = make_engine(fp8_dir, extra_by_server={0: ["--defer-copies", "--health-generate-s", "4"]})
     yield eng
     eng.shutdown()
 
@@ -133,6 +136,43 @@ def test_tensor_transport_delivers_exactly_what_was_sent(engine, qwen2_dir):
     assert engine.weight_version == 1 and served_versions(engine) == ["1"] * len(engine.servers)
     sample = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
     assert len(sample.rollout_logprobs) == 3
+
+
+def test_the_engine_protocol_sends_buckets_in_one_session_and_flushes_once_at_the_end(engine, qwen2_dir):
+    """RolloutEngine's own protocol on SGLang (pause, update_weights per bucket, finish_update,
+    resume): the first bucket opens the update session; each goes to /update_weights_from_tensor
+    tagged with the version and with flush_cache off, so a request in flight (here a health probe
+    of /health_generate, which SGLang counts as one) does not fail the update; the one flush comes
+    at finish_update and is retried until the probe is done."""
+    version = engine.weight_version + 1
+    named = payload(qwen2_dir, version)
+    buckets = list(iter_buckets(named, 64 * 1024))
+    before = len(requests_seen(engine))
+    checksums = [r["per_engine_checksum"] for r in engine.check_weights()]  # the default action
+    engine.pause()
+    probe = threading.Thread(target=engine.servers[0].client.get, args=("/health_generate",))
+    probe.start()
+    while "/health_generate" not in requests_seen(engine)[before:]:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the probe is in flight (4 s) while the buckets go
+    for bucket in buckets:
+        engine.update_weights(bucket, version)
+    engine.finish_update(version)
+    engine.resume()
+    probe.join()
+    seen = requests_seen(engine)[before:]
+    flushes = seen.count("/flush_cache")
+    assert len(buckets) > 1 and flushes >= 2  # the first flush came while the probe ran: refused
+    assert seen == (["/pause_generation", "/health_generate", "/begin_weight_update"]
+                    + ["/update_weights_from_tensor"] * len(buckets)
+                    + ["/end_weight_update"] + ["/flush_cache"] * flushes + ["/continue_generation"])
+    held = held_digests(engine)
+    assert {n: held[n] for n, _ in named} == as_held(named)
+    assert engine.weight_version == version and served_versions(engine) == [str(version)]
+    sample = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, ignore_eos=True))[0]
+    assert len(sample.response_ids) == 2
+    after = [r["per_engine_checksum"] for r in engine.check_weights()]
+    assert len(after) == 1 and after != checksums  # a checksum of what is held: it moved with the update
 
 
 def test_tensor_transport_refuses_tp_servers_without_a_gather(monkeypatch):
