@@ -258,15 +258,15 @@ class SGLangEngine(RolloutEngine):
         """POST /begin_weight_update on every server: SGLang 0.5.23 refuses update_weights_from_tensor /
         _from_distributed outside a session (scheduler_components/weight_updater.py). A session a
         failed sync left open is closed first, so one failure does not block every later sync."""
-        def begin(server: Server):
+        def begin(server: Server):  # a refusal is an HTTP 400 (http_server.py:1458-1470)
             try:
-                return _checked(server.client.post("/begin_weight_update", {}), server, "/begin_weight_update")
+                return server.client.post("/begin_weight_update")
             except SGLangHTTPError as err:
                 if "already open" not in err.body:
                     raise
                 log.warning("%s: closing a weight-update session left open by a failed sync", server.url)
-                server.client.post("/end_weight_update", {})
-                return server.client.post("/begin_weight_update", {})
+                server.client.post("/end_weight_update")
+                return server.client.post("/begin_weight_update")
 
         with ThreadPoolExecutor(max_workers=max(1, len(self.servers))) as pool:
             list(pool.map(begin, self.servers))

@@ -126,3 +126,23 @@ def test_deterministic_inference_flag_reaches_the_server():
 
     assert "--enable-deterministic-inference" not in server_args(SGLangConfig(), "/m", 1, 0, 0)
     assert "--enable-deterministic-inference" in server_args(SGLangConfig(deterministic_inference=True), "/m", 1, 0, 0)
+
+
+def test_a_session_a_failed_sync_left_open_is_closed_and_opened_again(fp8_kv_server, caplog):
+    """A sync that died between begin and end leaves the server's update session open, and SGLang
+    refuses the next begin_weight_update ("already open", weight_updater.py:309-334). The next sync
+    closes that session, with a warning naming the server, and opens its own."""
+    from megatron_rl.rollout.sglang_client import SGLangClient
+
+    client = SGLangClient(fp8_kv_server, API_KEY)
+    client.post("/begin_weight_update", {})  # the session a failed sync left open
+    engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3", kv_scales="unit")
+    before = len(client.get("/_double/log"))
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.sglang"):
+        engine.begin_update(1)
+    assert f"{fp8_kv_server}: closing a weight-update session left open by a failed sync" in caplog.messages
+    engine.finish_update(1)
+    sessions = [p for p in client.get("/_double/log")[before:] if p.endswith("_weight_update")]
+    assert sessions == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update", "/end_weight_update"]
+    with pytest.raises(SGLangHTTPError, match="no weight-update session is open"):
+        client.post("/end_weight_update", {})  # the update closed its session: none is left open
