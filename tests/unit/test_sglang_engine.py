@@ -118,8 +118,11 @@ def test_a_refusal_names_the_server_the_status_why_it_is_not_retried_and_the_ans
 def test_hf_named_digests_are_refused_with_the_check_that_works():
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
-    with pytest.raises(NotImplementedError, match=r"the SGLang transports check updates with check_weights\(\)"):
+    with pytest.raises(NotImplementedError) as refused:
         SGLangEngine.checksum(None, ["model.embed_tokens.weight"])
+    assert str(refused.value) == (
+        "SGLang fuses (qkv, gate_up) and TP-shards what it holds, so HF-named digests cannot be read back; "
+        "the SGLang transports check updates with check_weights() instead")
 
 
 def test_a_tp2_server_is_never_fed_one_payload_for_all_its_ranks(tmp_path, monkeypatch):
