@@ -238,10 +238,12 @@ class SGLangEngine(RolloutEngine):
         return self._version
 
     def broadcast(self, path: str, body: dict | None = None, servers: list[Server] | None = None) -> list:
-        """POST `path` to every (given) server concurrently; raise on the first failure."""
+        """POST `path` to every (given) server concurrently; raise on the first failure. SGLang
+        answers a failed weight-update or memory request with HTTP 400 and {"success": false}
+        (entrypoints/http_server.py), which the client raises as SGLangHTTPError."""
         targets = self.servers if servers is None else servers
         with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
-            return list(pool.map(lambda s: _checked(s.client.post(path, body or {}), s, path), targets))
+            return list(pool.map(lambda s: s.client.post(path, body or {}), targets))
 
     def begin_update(self, version: int, session: bool = True) -> None:
         if version <= self._version:
@@ -355,7 +357,7 @@ class SGLangEngine(RolloutEngine):
         self.broadcast("/pause_generation", {"mode": self.cfg.pause_mode})
 
     def resume(self) -> None:
-        self.broadcast("/continue_generation", {})
+        self.broadcast("/continue_generation")
 
     def release_memory(self, tags: tuple[str, ...] | None = None) -> None:
         """Colocated: free weights and/or KV cache (SGLang discards the weights: a full update
@@ -447,11 +449,3 @@ def check_server_info(server: Server, cfg: SGLangConfig) -> str:
             raise RuntimeError(f"SGLang server {server.url} runs {key}={info[key]!r} but rollout.sglang.{key}="
                                f"{getattr(cfg, key)!r}")
     return version
-
-
-def _checked(resp, server: Server, path: str):
-    """Weight-update endpoints answer {"success": bool, "message": str}; success=False is an error."""
-    if isinstance(resp, dict) and resp.get("success") is False:
-        raise RuntimeError(f"{server.url}{path} failed: {resp.get('message')}")
-    return resp
-

@@ -146,3 +146,25 @@ def test_a_session_a_failed_sync_left_open_is_closed_and_opened_again(fp8_kv_ser
     assert sessions == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update", "/end_weight_update"]
     with pytest.raises(SGLangHTTPError, match="no weight-update session is open"):
         client.post("/end_weight_update", {})  # the update closed its session: none is left open
+
+
+@pytest.mark.parametrize("mode, retried", [("in_place", 0), ("abort", 1)])
+def test_pause_in_place_lets_a_request_in_flight_finish_and_abort_ends_it(fp8_kv_server, mode, retried):
+    """rollout.sglang.pause_mode reaches /pause_generation: "in_place" keeps a request in flight
+    running, "abort" ends it with finish_reason abort, which the engine retries once resumed."""
+    from megatron_rl.rollout.base import SamplingParams
+
+    engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3", pause_mode=mode, max_retries=1)
+    client = engine.servers[0].client
+    before = len(client.get("/_double/log"))
+    samples = []
+    sampling = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    rollout = threading.Thread(target=lambda: samples.extend(engine.generate([[1, 2, 3]], sampling)))
+    rollout.start()
+    while "/generate" not in client.get("/_double/log")[before:]:
+        time.sleep(0.01)
+    engine.pause()
+    engine.resume()
+    rollout.join()
+    assert [len(s.response_ids) for s in samples] == [400]
+    assert engine.stats["retries"] == retried

@@ -18,6 +18,7 @@ import sglang_protocol as proto
 from sglang_testing import DOUBLES_TIMEOUT_S, free_port_block, make_engine, needs_sglang_source
 
 from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.sglang_client import ServerUnavailable
 from megatron_rl.rollout.sglang_payload import (distributed_spec, flatten_bucket, serialize_flattened,
                                                 unflatten_bucket)
 from megatron_rl.sync.buckets import iter_buckets
@@ -261,6 +262,10 @@ def test_fp8_kv_cache_refuses_an_update_without_fresh_kv_scales_only_when_asked(
     eng = SGLangEngine(cfg, "unused", start=False)
     eng.begin_update(1, session=False)
     with pytest.raises(ValueError, match="k_scale/v_scale"):
+        eng.finish_update(1)
+    eng.note_sent(["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_scale",
+                   "model.layers.0.self_attn.v_scale"])
+    with pytest.raises(ServerUnavailable):  # past the check, the flush finds no server on port 9
         eng.finish_update(1)
 
 
