@@ -368,10 +368,9 @@ class SGLangEngine(RolloutEngine):
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
         self.broadcast("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
 
-    def check_weights(self, action: str = "checksum") -> list[dict]:
-        """SGLang's /weights_checker on every server (checksum | snapshot | reset_tensors | compare;
-        compare runs with SGLang's default allow_quant_error=False)."""
-        return self.broadcast("/weights_checker", {"action": action})
+    def check_weights(self) -> list[dict]:
+        """SGLang's /weights_checker checksum of what every server holds (one reply per server)."""
+        return self.broadcast("/weights_checker", {"action": "checksum"})
 
     def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
         raise NotImplementedError(

@@ -46,7 +46,7 @@ class _Checked:
             self.acked.update((n, tensor_digest(t)) for n, t in bucket)
 
     def verify(self, names: list[str]) -> dict[str, str]:
-        replies = self.engine.check_weights("checksum")
+        replies = self.engine.check_weights()
         per_server = [r.get("per_engine_checksum") for r in replies]
         if len(set(per_server)) != 1:
             raise RuntimeError(f"SGLang replicas hold different weights after the update: {per_server}")

@@ -149,7 +149,7 @@ def test_the_engine_protocol_sends_buckets_in_one_session_and_flushes_once_at_th
     named = payload(qwen2_dir, version)
     buckets = list(iter_buckets(named, 64 * 1024))
     before = len(requests_seen(engine))
-    checksums = [r["per_engine_checksum"] for r in engine.check_weights()]  # the default action
+    checksums = [r["per_engine_checksum"] for r in engine.check_weights()]
     engine.pause()
     probe = threading.Thread(target=engine.servers[0].client.get, args=("/health_generate",))
     probe.start()
