@@ -323,7 +323,7 @@ class SGLangEngine(RolloutEngine):
                              f"{', weights released since the last one' if self._weights_released else ''}); "
                              "stale KV scales silently corrupt attention")
         if self._session_open:
-            self.broadcast("/end_weight_update", {})
+            self.broadcast("/end_weight_update")
             self._session_open = False
         self.flush_cache()
         with self._lock:

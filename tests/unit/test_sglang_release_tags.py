@@ -4,6 +4,7 @@ saver (SGLANG_MEMORY_SAVER_CUDA_GRAPH=1): the protocol's tags bring every releas
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sglang_testing import DOUBLES_TIMEOUT_S, make_engine, needs_sglang_source
 
@@ -15,10 +16,17 @@ from megatron_rl.sync.sglang_transport import SGLangTensorTransport
 pytestmark = [needs_sglang_source, pytest.mark.timeout(DOUBLES_TIMEOUT_S)]
 
 
-def _update(engine, model_dir):
+def _update(engine, model_dir, kv_scales: bool = False):
+    """A full update of the checkpoint's weights (with unit k_scale / v_scale per layer: kv_scales)."""
+    import json
+
     from safetensors.torch import load_file
 
     named = sorted(load_file(str(model_dir / "model.safetensors")).items())
+    if kv_scales:
+        layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+        named += [(f"model.layers.{i}.self_attn.{leaf}", torch.tensor(1.0)) for i in range(layers)
+                  for leaf in ("k_scale", "v_scale")]
     transport = SGLangTensorTransport(engine)
     version = engine.weight_version + 1
     transport.begin(version)
@@ -61,7 +69,13 @@ def test_unit_kv_scales_must_come_again_once_the_weights_were_released(qwen2_dir
             engine.release_memory(tags)
         for tags in releases:
             engine.resume_memory(tags)
-        with pytest.raises(ValueError, match="weights released since the last one"):
+        with pytest.raises(ValueError) as refused:
             _update(engine, qwen2_dir)
+        assert str(refused.value) == (
+            "version 2: an FP8 KV cache needs k_scale/v_scale tensors with this update (rollout.sglang.kv_scales="
+            "'unit', weights released since the last one); stale KV scales silently corrupt attention")
+        _update(engine, qwen2_dir, kv_scales=True)  # the refused update again, with the scales
+        _update(engine, qwen2_dir)  # nothing released since: the scales held are the ones sent
+        assert engine.weight_version == 3
     finally:
         engine.shutdown()

@@ -261,12 +261,33 @@ def test_fp8_kv_cache_refuses_an_update_without_fresh_kv_scales_only_when_asked(
     cfg = SGLangConfig(server_urls=["http://127.0.0.1:9"], kv_cache_dtype="fp8_e4m3", kv_scales="sent")
     eng = SGLangEngine(cfg, "unused", start=False)
     eng.begin_update(1, session=False)
-    with pytest.raises(ValueError, match="k_scale/v_scale"):
+    with pytest.raises(ValueError) as refused:
         eng.finish_update(1)
+    assert str(refused.value) == ("version 1: an FP8 KV cache needs k_scale/v_scale tensors with this update "
+                                  "(rollout.sglang.kv_scales='sent'); stale KV scales silently corrupt attention")
     eng.note_sent(["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_scale",
                    "model.layers.0.self_attn.v_scale"])
     with pytest.raises(ServerUnavailable):  # past the check, the flush finds no server on port 9
         eng.finish_update(1)
+
+
+def test_an_update_begins_only_above_the_held_version_and_finishes_the_one_in_progress(monkeypatch):
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", "k")
+    eng = SGLangEngine(SGLangConfig(server_urls=["http://127.0.0.1:9"]), "unused", start=False)
+    with pytest.raises(ValueError) as same:
+        eng.begin_update(0, session=False)  # the engine holds version 0
+    assert str(same.value) == "weight version 0 is not newer than the engine's 0"
+    eng.begin_update(3, session=False)
+    eng.begin_update(3, session=False)  # the same version again: a sync retried after a failure
+    with pytest.raises(ValueError) as other:
+        eng.begin_update(4, session=False)
+    assert str(other.value) == "version 4 while the update to 3 is in progress"
+    with pytest.raises(ValueError) as wrong:
+        eng.finish_update(2)
+    assert str(wrong.value) == "finish_update(2) but the update in progress is 3"
 
 
 def _log_of(server) -> list[str]:
