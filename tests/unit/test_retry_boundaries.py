@@ -10,6 +10,7 @@ requests run is retried).
 
 from __future__ import annotations
 
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -35,25 +36,25 @@ PROMPTS = [[3, 17, 42], [9, 9, 1, 4]]
 
 
 class Faults:
-    """What the relay injects: path -> [failures left, HTTP status]; and what it saw."""
+    """What the relay injects: path -> [failures left, HTTP status, body]; and what it saw."""
 
     def __init__(self) -> None:
         self.plan: dict[str, list[int]] = {}
         self.seen: Counter[str] = Counter()
         self.lock = threading.Lock()
 
-    def fail(self, path: str, times: int, status: int) -> None:
+    def fail(self, path: str, times: int, status: int, body: str = "injected failure") -> None:
         with self.lock:
-            self.plan[path] = [times, status]
+            self.plan[path] = [times, status, body]
             self.seen.clear()
 
-    def take(self, path: str) -> int | None:
+    def take(self, path: str) -> tuple[int, str] | None:
         with self.lock:
             self.seen[path] += 1
             left = self.plan.get(path)
             if left and left[0] > 0:
                 left[0] -= 1
-                return left[1]
+                return left[1], left[2]
             return None
 
 
@@ -66,9 +67,9 @@ def _relay(upstream: str, faults: Faults) -> ThreadingHTTPServer:
             self._forward("POST", self.body())
 
         def _forward(self, method: str, data: bytes | None) -> None:
-            status = faults.take(self.path.split("?")[0])
-            if status is not None:
-                return self.reply(status, "injected failure")
+            fault = faults.take(self.path.split("?")[0])
+            if fault is not None:
+                return self.reply(*fault)
             headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
             req = urllib.request.Request(upstream + self.path, data=data, method=method, headers=headers)
             try:
@@ -99,12 +100,14 @@ def api_key(monkeypatch):
     monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
 
 
-def _engine(relay, path: str, failures: int, status: int, **kw) -> tuple[SGLangEngine, Faults]:
-    """An engine attached through the relay, whose next `failures` requests to `path` get `status`."""
+def _engine(relay, path: str, failures: int, status: int, body: str = "injected failure",
+            **kw) -> tuple[SGLangEngine, Faults]:
+    """An engine attached through the relay, whose next `failures` requests to `path` get `status`
+    with `body`."""
     url, faults = relay
     engine = SGLangEngine(SGLangConfig(server_urls=[url], request_timeout_s=60, max_batch_per_request=8, **kw),
                           "unused")
-    faults.fail(path, failures, status)
+    faults.fail(path, failures, status, body)
     return engine, faults
 
 
@@ -132,14 +135,19 @@ def test_a_client_error_is_not_retried(relay):
 
 
 @pytest.mark.parametrize("flush_retries,refusals,ok", [(1, 0, True), (1, 1, False), (3, 2, True), (3, 3, False)])
-def test_flush_cache_is_tried_exactly_flush_retries_times(relay, flush_retries, refusals, ok):
-    engine, faults = _engine(relay, "/flush_cache", refusals, 400, flush_retries=flush_retries)
-    if ok:
-        engine.flush_cache(retry_s=0.01)
-    else:
-        with pytest.raises(SGLangHTTPError, match="HTTP 400"):
+def test_flush_cache_is_tried_exactly_flush_retries_times(relay, caplog, flush_retries, refusals, ok):
+    refusal = "Cache not flushed because there are pending requests. #queue-req: 0, #running-req: 1 (waiting: 12)"
+    engine, faults = _engine(relay, "/flush_cache", refusals, 400, f"  {refusal}\n", flush_retries=flush_retries)
+    with caplog.at_level(logging.INFO, logger="megatron_rl.rollout.sglang"):
+        if ok:
             engine.flush_cache(retry_s=0.01)
+        else:
+            with pytest.raises(SGLangHTTPError, match="HTTP 400"):
+                engine.flush_cache(retry_s=0.01)
     assert faults.seen["/flush_cache"] == (refusals + 1 if ok else flush_retries)
+    retried = refusals if ok else flush_retries - 1  # each refusal but the last one is logged and retried
+    assert [r.getMessage() for r in caplog.records if "flush_cache" in r.getMessage()] == (
+        [f"{relay[0]}: flush_cache refused ({refusal[:80]}); retrying"] * retried)
 
 
 def test_flush_cache_does_not_retry_other_errors(relay):
