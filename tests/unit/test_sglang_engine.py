@@ -134,3 +134,19 @@ def test_a_tp2_server_is_never_fed_one_payload_for_all_its_ranks(tmp_path, monke
     with pytest.raises(ValueError, match=r"rollout.sglang.tp_size > 1: every TP rank needs its own payload; use "
                                          r"megatron_rl.sync.sglang_transport.SGLangTensorTransport with a gather"):
         engine.update_weights([("lm_head.weight", torch.zeros(2, 2))], version=1)
+
+
+def test_a_server_that_reports_no_version_is_refused_as_unknown():
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SUPPORTED_VERSIONS, check_server_info
+    from megatron_rl.rollout.sglang_server import Server
+
+    class NoVersion(SGLangClient):  # /server_info of a build without the field
+        def get(self, path, timeout_s=None):
+            assert path == "/server_info"
+            return {"tp_size": 1, "kv_cache_dtype": "auto"}
+
+    with pytest.raises(RuntimeError) as refused:
+        check_server_info(Server(NoVersion("http://n1:30000", API_KEY)), SGLangConfig())
+    assert str(refused.value) == ("SGLang unknown at http://n1:30000 is not supported: its weight-update protocol "
+                                  f"differs from the tested versions {list(SUPPORTED_VERSIONS)}")
