@@ -136,17 +136,36 @@ def test_a_tp2_server_is_never_fed_one_payload_for_all_its_ranks(tmp_path, monke
         engine.update_weights([("lm_head.weight", torch.zeros(2, 2))], version=1)
 
 
+class ServerInfo(SGLangClient):
+    """A client whose /server_info answers `info` (what a server started elsewhere reports)."""
+
+    def __init__(self, info: dict):
+        super().__init__("http://n1:30000", API_KEY)
+        self.info = info
+
+    def get(self, path, timeout_s=None):
+        assert path == "/server_info"
+        return self.info
+
+
 def test_a_server_that_reports_no_version_is_refused_as_unknown():
     from megatron_rl.rollout.sglang_config import SGLangConfig
     from megatron_rl.rollout.sglang_engine import SUPPORTED_VERSIONS, check_server_info
     from megatron_rl.rollout.sglang_server import Server
 
-    class NoVersion(SGLangClient):  # /server_info of a build without the field
-        def get(self, path, timeout_s=None):
-            assert path == "/server_info"
-            return {"tp_size": 1, "kv_cache_dtype": "auto"}
-
-    with pytest.raises(RuntimeError) as refused:
-        check_server_info(Server(NoVersion("http://n1:30000", API_KEY)), SGLangConfig())
+    with pytest.raises(RuntimeError) as refused:  # a build whose /server_info lacks the field
+        check_server_info(Server(ServerInfo({"tp_size": 1, "kv_cache_dtype": "auto"})), SGLangConfig())
     assert str(refused.value) == ("SGLang unknown at http://n1:30000 is not supported: its weight-update protocol "
                                   f"differs from the tested versions {list(SUPPORTED_VERSIONS)}")
+
+
+def test_a_server_started_with_another_tp_size_is_refused():
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SUPPORTED_VERSIONS, check_server_info
+    from megatron_rl.rollout.sglang_server import Server
+
+    info = {"version": SUPPORTED_VERSIONS[0], "tp_size": 2, "kv_cache_dtype": "auto"}
+    with pytest.raises(RuntimeError) as refused:
+        check_server_info(Server(ServerInfo(info)), SGLangConfig())
+    assert str(refused.value) == "SGLang server http://n1:30000 runs tp_size=2 but rollout.sglang.tp_size=1"
+    assert check_server_info(Server(ServerInfo(info), tp_size=2), SGLangConfig(tp_size=2)) == SUPPORTED_VERSIONS[0]
