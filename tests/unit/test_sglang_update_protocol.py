@@ -57,8 +57,10 @@ def test_fp8_kv_cache_syncs_with_unit_scales_when_asked(fp8_kv_server, qwen2_dir
     from megatron_rl.sync.sglang_transport import SGLangTensorTransport
 
     with caplog.at_level(logging.WARNING, logger="megatron_rl.rollout.sglang"):
-        engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3", kv_scales="unit")  # calibrated is the default
-    assert "unit k/v scales" in caplog.text
+        attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3")  # calibrated scales, the default: no warning
+        engine = attach(fp8_kv_server, kv_cache_dtype="fp8_e4m3", kv_scales="unit")
+    assert caplog.messages == ["FP8 KV cache (fp8_e4m3) with SGLang's unit k/v scales (1.0), as slime and miles "
+                               "run it; set rollout.sglang.kv_scales=sent to send recalibrated scales"]
     transport = SGLangTensorTransport(engine)
     transport.begin(1)
     transport.send(sorted(load_file(str(qwen2_dir / "model.safetensors")).items()), 1)
