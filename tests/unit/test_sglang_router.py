@@ -135,3 +135,28 @@ def test_a_router_that_exits_at_startup_is_named_with_the_end_of_its_log(routed,
     log = tmp_path / "sglang_router.log"
     assert str(failed.value) == (f"SGLang server http://127.0.0.1:{cfg.router_port} exited during startup "
                                  f"(exit code 2); the end of {log}:\nerror: unexpected argument --policy")
+
+
+@needs_sglang_source
+@pytest.mark.timeout(DOUBLES_TIMEOUT_S)
+def test_a_router_given_by_url_carries_the_requests_the_key_and_the_client_timeout(routed, caplog):
+    """rollout.sglang.router_url (a gateway started elsewhere): every /generate goes through it with
+    the key, and a request stuck on a paused worker ends at the client's request_timeout_s."""
+    cfg = SGLangConfig(server_urls=[s.url for s in routed.servers], router_url=routed.router.url,
+                       request_timeout_s=2.0, max_retries=0)
+    engine = SGLangEngine(cfg, "served-by-the-urls")
+    before = sum(routed.router.get("/double/routed").values())
+    samples = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert [len(s.response_ids) for s in samples] == [2, 2]
+    assert sum(routed.router.get("/double/routed").values()) == before + 1  # one request: the rows share params
+    try:
+        for server in routed.servers:
+            server.client.post("/pause_generation", {"mode": "in_place"})
+        caplog.set_level(logging.WARNING, logger="megatron_rl.rollout.sglang")
+        with pytest.raises(RolloutUnavailableError, match="a /generate request failed 1 times"):
+            engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        failures = [r.getMessage() for r in caplog.records if "generate on" in r.getMessage()]
+        assert len(failures) == 1 and "timed out" in failures[0] and "HTTP 504" not in failures[0], failures
+    finally:
+        for server in routed.servers:
+            server.client.post("/continue_generation", {})
