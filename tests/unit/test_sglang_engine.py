@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from sglang_testing import API_KEY, DOUBLES_TIMEOUT_S, make_engine, needs_sglang_source
+from sglang_testing import API_KEY, DOUBLES_TIMEOUT_S, free_port_block, make_engine, needs_sglang_source
 
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError
@@ -169,3 +171,18 @@ def test_a_server_started_with_another_tp_size_is_refused():
         check_server_info(Server(ServerInfo(info)), SGLangConfig())
     assert str(refused.value) == "SGLang server http://n1:30000 runs tp_size=2 but rollout.sglang.tp_size=1"
     assert check_server_info(Server(ServerInfo(info), tp_size=2), SGLangConfig(tp_size=2)) == SUPPORTED_VERSIONS[0]
+
+
+def test_a_server_that_exits_at_startup_is_named_with_the_end_of_its_log(tmp_path, monkeypatch):
+    """Each launched server writes <log_dir>/sglang_server_<i>.log, and a start that fails says why."""
+    from megatron_rl.rollout.sglang_config import SGLangConfig
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
+
+    monkeypatch.setenv("MEGATRON_RL_SGLANG_API_KEY", API_KEY)
+    exits = [sys.executable, "-c", "import sys; print('error: unrecognized arguments: --bad'); sys.exit(2)"]
+    cfg = SGLangConfig(num_servers=1, base_port=free_port_block(1), server_command=exits, startup_timeout_s=60.0)
+    with pytest.raises(RuntimeError) as failed:
+        SGLangEngine(cfg, "unused", log_dir=tmp_path)
+    log = tmp_path / "sglang_server_0.log"
+    assert str(failed.value) == (f"SGLang server http://127.0.0.1:{cfg.base_port} exited during startup (exit code 2); "
+                                 f"the end of {log}:\nerror: unrecognized arguments: --bad")

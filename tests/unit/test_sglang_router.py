@@ -149,6 +149,7 @@ def test_a_router_given_by_url_carries_the_requests_the_key_and_the_client_timeo
     samples = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert [len(s.response_ids) for s in samples] == [2, 2]
     assert sum(routed.router.get("/double/routed").values()) == before + 1  # one request: the rows share params
+    assert engine.stats["requests"] == 1
     try:
         for server in routed.servers:
             server.client.post("/pause_generation", {"mode": "in_place"})
