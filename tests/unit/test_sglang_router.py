@@ -92,6 +92,23 @@ def router_over(routed, **cfg_kw) -> SGLangConfig:
                         router_port=free_port_block(1), **cfg_kw)
 
 
+def assert_the_client_gives_up_first(engine, routed, caplog) -> None:
+    """A /generate stuck on a paused worker (the double holds it, as SGLang does) ends at the client's
+    request_timeout_s, logged as the client's timeout, not as the router's 504 at its longer limit;
+    with max_retries=0 it is then reported. The workers are resumed whatever happens."""
+    try:
+        for server in routed.servers:
+            server.client.post("/pause_generation", {"mode": "in_place"})
+        caplog.set_level(logging.WARNING, logger="megatron_rl.rollout.sglang")
+        with pytest.raises(RolloutUnavailableError, match="a /generate request failed 1 times"):
+            engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        failures = [r.getMessage() for r in caplog.records if "generate on" in r.getMessage()]
+        assert len(failures) == 1 and "timed out" in failures[0] and "HTTP 504" not in failures[0], failures
+    finally:
+        for server in routed.servers:
+            server.client.post("/continue_generation", {})
+
+
 @needs_sglang_source
 @pytest.mark.timeout(DOUBLES_TIMEOUT_S)
 def test_a_launched_router_logs_into_the_log_dir_takes_the_key_and_the_client_gives_up_first(
@@ -110,16 +127,8 @@ def test_a_launched_router_logs_into_the_log_dir_takes_the_key_and_the_client_gi
         samples = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))
         assert [len(s.response_ids) for s in samples] == [2, 2]
 
-        for server in routed.servers:  # the double holds a new /generate while paused, as SGLang does
-            server.client.post("/pause_generation", {"mode": "in_place"})
-        caplog.set_level(logging.WARNING, logger="megatron_rl.rollout.sglang")
-        with pytest.raises(RolloutUnavailableError, match="a /generate request failed 1 times"):
-            engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        failures = [r.getMessage() for r in caplog.records if "generate on" in r.getMessage()]
-        assert len(failures) == 1 and "timed out" in failures[0] and "HTTP 504" not in failures[0], failures
+        assert_the_client_gives_up_first(engine, routed, caplog)
     finally:
-        for server in routed.servers:
-            server.client.post("/continue_generation", {})
         engine.shutdown()
     assert not engine._router_proc.alive()
 
@@ -150,14 +159,4 @@ def test_a_router_given_by_url_carries_the_requests_the_key_and_the_client_timeo
     assert [len(s.response_ids) for s in samples] == [2, 2]
     assert sum(routed.router.get("/double/routed").values()) == before + 1  # one request: the rows share params
     assert engine.stats["requests"] == 1
-    try:
-        for server in routed.servers:
-            server.client.post("/pause_generation", {"mode": "in_place"})
-        caplog.set_level(logging.WARNING, logger="megatron_rl.rollout.sglang")
-        with pytest.raises(RolloutUnavailableError, match="a /generate request failed 1 times"):
-            engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        failures = [r.getMessage() for r in caplog.records if "generate on" in r.getMessage()]
-        assert len(failures) == 1 and "timed out" in failures[0] and "HTTP 504" not in failures[0], failures
-    finally:
-        for server in routed.servers:
-            server.client.post("/continue_generation", {})
+    assert_the_client_gives_up_first(engine, routed, caplog)
