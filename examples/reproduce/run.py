@@ -90,7 +90,7 @@ HELDOUT_EVAL = ["train.num_steps=150", "eval.every=25", "eval.precision=both"]
 GSPO = ["algo.loss_mode=gspo", "algo.loss_agg_mode=seq-mean-token-mean", "algo.eps_clip=3.0e-4",
         "algo.eps_clip_high=4.0e-4", "algo.use_tis=true", "algo.tis_level=sequence",
         # the histogram (calibration or its diagnosis) on sequence ratios: a bin of 2.9e-5 in log r,
-        # a tenth of the GSPO band (config.py checks it)
+        # a tenth of the GSPO band (config/calib.py checks it)
         "calib.level=sequence", "calib.log_ratio_range=0.03", "calib.low_min=0.99", "calib.high_max=1.01"]
 SEQ_CC = ["calib.enabled=true"]
 TIS_ON = ["algo.use_tis=true"]

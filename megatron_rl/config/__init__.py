@@ -1,0 +1,31 @@
+"""Typed, nested run configuration: YAML recipes plus `section.key=value` overrides, validated at load.
+
+One module per section (its dataclass, documented fields and validation), `run.py` composing them,
+`load.py` / `apply.py` reading YAML and overrides, `validate.py` running every check in order.
+"""
+
+from megatron_rl.config.algo import LOSS_AGG_MODES, AlgoConfig
+from megatron_rl.config.calib import CalibConfig
+from megatron_rl.config.checkpoint import CheckpointConfig
+from megatron_rl.config.data import DataConfig
+from megatron_rl.config.eval import EVAL_PRECISIONS, EvalConfig, EvalDatasetConfig, eval_metric_names
+from megatron_rl.config.health import HealthConfig
+from megatron_rl.config.load import load_config, parse_override, save_config
+from megatron_rl.config.log import LogConfig, WandbConfig
+from megatron_rl.config.model import ModelConfig
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.precision import FP4_ROLLOUT_QUANTS, ROLLOUT_QUANTS, TRAIN_RECIPES, PrecisionConfig
+from megatron_rl.config.reward import RewardConfig
+from megatron_rl.config.rollout import RolloutConfig, SGLangConfig
+from megatron_rl.config.run import RunConfig
+from megatron_rl.config.sync import SyncConfig
+from megatron_rl.config.train import TrainConfig
+from megatron_rl.config.validate import validate
+
+__all__ = [
+    "AlgoConfig", "CalibConfig", "CheckpointConfig", "DataConfig", "EVAL_PRECISIONS", "EvalConfig",
+    "EvalDatasetConfig", "FP4_ROLLOUT_QUANTS", "HealthConfig", "LOSS_AGG_MODES", "LogConfig", "ModelConfig",
+    "ParallelConfig", "PrecisionConfig", "ROLLOUT_QUANTS", "RewardConfig", "RolloutConfig", "RunConfig",
+    "SGLangConfig", "SyncConfig", "TRAIN_RECIPES", "TrainConfig", "WandbConfig", "eval_metric_names",
+    "load_config", "parse_override", "save_config", "validate",
+]

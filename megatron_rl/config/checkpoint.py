@@ -1,0 +1,62 @@
+"""The `checkpoint` section: saving, resuming, retention and the best checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_rl.config.eval import eval_metric_names
+
+if TYPE_CHECKING:
+    from megatron_rl.config.run import RunConfig
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0
+    """Steps between checkpoints (0 = only at the end when `save_final`)."""
+    save_final: bool = True
+    resume: bool = False
+    async_save: bool = False
+    """Write the model/optimizer checkpoint in a background process (Megatron's async save); it
+    is published (renamed, `latest` moved) once written everywhere, always before the next save
+    and the end of the run."""
+    keep_best: str = ""
+    """`<eval name>/<metric>` (e.g. `math500/avg@4`, `heldout/bf16/pass@1`): the checkpointed step
+    whose weights scored highest on that eval metric is named by the file `best` in the checkpoint
+    folder (as `latest` names the newest); retention never deletes it. Empty: off. Higher is better.
+    Only checkpointed weights compete: evaluate on the steps you save (docs/eval.md)."""
+    keep_last: int = 0
+    """Keep only the newest N complete checkpoints (older ones are deleted after each save; the
+    one `latest` names, the one a `best` file names and any being written are never deleted).
+    0 = keep all."""
+    save_hf_every: int = 0
+    """Steps between HF safetensors exports (log.dir/hf/step_XXXXXX: config, tokenizer, weights;
+    loadable by transformers and SGLang). 0 = off."""
+
+
+CHOICES: dict[str, tuple] = {}
+POSITIVE: tuple[str, ...] = ()
+
+
+def check_retention(c: CheckpointConfig) -> None:
+    for key in ("keep_last", "save_hf_every"):
+        if getattr(c, key) < 0:
+            raise ValueError(f"config key 'checkpoint.{key}': must be >= 0, got {getattr(c, key)}")
+
+
+def check_keep_best(cfg: RunConfig) -> None:
+    target = cfg.checkpoint.keep_best
+    if not target:
+        return
+    name, _, metric = target.partition("/")
+    metric = metric.removeprefix("bf16/")
+    datasets = {d.name: d for d in cfg.eval.datasets}
+    if name not in datasets or metric not in eval_metric_names(datasets[name]):
+        known = [f"{d.name}/{m}" for d in cfg.eval.datasets for m in eval_metric_names(d)]
+        raise ValueError(f"config key 'checkpoint.keep_best': {target!r} is not an eval metric of this "
+                         f"run (eval.datasets give: {known})")
+    if target.startswith(f"{name}/bf16/") and cfg.eval.precision == "rollout":
+        raise ValueError(f"config key 'checkpoint.keep_best': {target!r} needs eval.precision bf16 or both")
+    if target.count("/") == 1 and cfg.eval.precision == "bf16":
+        raise ValueError(f"config key 'checkpoint.keep_best': eval.precision=bf16 logs {name}/bf16/{metric}")
