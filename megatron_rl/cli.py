@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from megatron_rl.config import load_config
+from megatron_rl.config import dump_config, load_config
 
 EPILOG = """examples:
   megatron-rl train examples/tiny/fp8_calibrated.yaml
@@ -16,6 +16,7 @@ EPILOG = """examples:
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
   megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 rollout.max_new_tokens=8192 --gpu-mem-gb 80
   megatron-rl launch --dry-run examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpus-per-node 8
+  megatron-rl config examples/qwen3_8b_grpo/fp8.yaml eval.datasets.0.temperature=0.6
 """
 
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
     _add_plan_parser(sub)
     _add_eval_parser(sub)
+    _add_config_parser(sub)
     sub.add_parser("launch", add_help=False,
                    help="Slurm placement (--dry-run) or this host's part of it")
     return parser
@@ -45,6 +47,12 @@ def _add_eval_parser(sub) -> None:
                     help="a step folder, a checkpoints folder (its latest) or its latest / best file; "
                          "default: model.hf_dir (or the tiny model) as built")
     ev.add_argument("--output", default="", help="folder of eval_results.json (default <log.dir>_eval)")
+
+
+def _add_config_parser(sub) -> None:
+    cfg = sub.add_parser("config", help="print the resolved config with every default (YAML)")
+    cfg.add_argument("config", help="YAML config file (see examples/)")
+    cfg.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. eval.datasets.0.temperature=0.6")
 
 
 def _add_plan_parser(sub) -> None:
@@ -91,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"megatron-rl: error: {err}", file=sys.stderr)
         return 2
+    if args.command == "config":
+        print(dump_config(cfg), end="")
+        return 0
     if args.command == "eval":
         from megatron_rl.loop.evaluate import evaluate_checkpoint
         try:

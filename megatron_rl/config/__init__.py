@@ -1,7 +1,7 @@
 """Typed, nested run configuration: YAML recipes plus `section.key=value` overrides, validated at load.
 
 One module per section (its dataclass, documented fields and validation), `run.py` composing them,
-`load.py` / `apply.py` reading YAML and overrides, `validate.py` running every check in order.
+`recipe.py` / `load.py` / `apply.py` reading YAML recipes (`base:`) and overrides, `validate.py` running every check in order.
 """
 
 from megatron_rl.config.algo import LOSS_AGG_MODES, AlgoConfig
@@ -10,7 +10,7 @@ from megatron_rl.config.checkpoint import CheckpointConfig
 from megatron_rl.config.data import DataConfig
 from megatron_rl.config.eval import EVAL_PRECISIONS, EvalConfig, EvalDatasetConfig, eval_metric_names
 from megatron_rl.config.health import HealthConfig
-from megatron_rl.config.load import load_config, parse_override, save_config
+from megatron_rl.config.load import dump_config, load_config, parse_override, save_config
 from megatron_rl.config.log import LogConfig, WandbConfig
 from megatron_rl.config.model import ModelConfig
 from megatron_rl.config.parallel import ParallelConfig
@@ -26,6 +26,6 @@ __all__ = [
     "AlgoConfig", "CalibConfig", "CheckpointConfig", "DataConfig", "EVAL_PRECISIONS", "EvalConfig",
     "EvalDatasetConfig", "FP4_ROLLOUT_QUANTS", "HealthConfig", "LOSS_AGG_MODES", "LogConfig", "ModelConfig",
     "ParallelConfig", "PrecisionConfig", "ROLLOUT_QUANTS", "RewardConfig", "RolloutConfig", "RunConfig",
-    "SGLangConfig", "SyncConfig", "TRAIN_RECIPES", "TrainConfig", "WandbConfig", "eval_metric_names",
+    "SGLangConfig", "SyncConfig", "TRAIN_RECIPES", "TrainConfig", "WandbConfig", "dump_config", "eval_metric_names",
     "load_config", "parse_override", "save_config", "validate",
 ]

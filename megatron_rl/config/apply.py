@@ -67,3 +67,53 @@ def apply_mapping(section: Any, updates: dict[str, Any], prefix: str) -> None:
             apply_mapping(current, value, f"{path}.")
         else:
             setattr(section, key, coerce(value, hints[key], path))
+
+
+def apply_override(cfg: Any, key: str, value: Any) -> None:
+    """Set the dotted `key` of `cfg` to `value` (checked as the file's values are).
+
+    A part of the key that meets a list is an index into it: `eval.datasets.0.temperature`,
+    `rollout.stop.1`; an index outside the list is refused (a whole list is set as `key=[...]`).
+    Past the last section or list, the rest of the key nests as a mapping (as in a YAML file).
+    """
+    parts = key.split(".")
+    node, hint, path = cfg, type(cfg), ""
+    for i, part in enumerate(parts):
+        if isinstance(node, list):
+            index = _list_index(node, part, path)
+            if i == len(parts) - 1:
+                node[index] = coerce(value, _element_type(hint), f"{path}[{index}]")
+                return
+            node, hint, path = node[index], _element_type(hint), f"{path}[{index}]"
+            continue
+        rest = parts[i + 1:]
+        child = getattr(node, part, None) if rest else None
+        if not rest or not (dataclasses.is_dataclass(child) or isinstance(child, list)):
+            apply_mapping(node, _nest(parts[i:], value), f"{path}." if path else "")
+            return
+        hint = typing.get_type_hints(type(node))[part]
+        node, path = child, f"{path}.{part}" if path else part
+
+
+def _list_index(items: list, part: str, path: str) -> int:
+    if not part.isdigit():
+        raise ValueError(f"config key '{path}.{part}': {path} is a list; expected an index 0..{len(items) - 1}")
+    index = int(part)
+    if index >= len(items):
+        raise ValueError(f"config key '{path}.{part}': index {index} is out of range, {path} has {len(items)} "
+                         f"item(s); set the whole list ({path}=[...]) to add items")
+    return index
+
+
+def _element_type(hint: Any) -> Any:
+    """T of list[T] (or of list[T] | None)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.get_args(hint)[0]
+
+
+def _nest(parts: list[str], value: Any) -> dict[str, Any]:
+    out: Any = value
+    for part in reversed(parts):
+        out = {part: out}
+    return out

@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from megatron_rl.config.apply import apply_mapping
+from megatron_rl.config.apply import apply_mapping, apply_override
+from megatron_rl.config.recipe import read_recipe
 from megatron_rl.config.run import RunConfig
 from megatron_rl.config.validate import validate
 
@@ -22,32 +23,22 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
 
 
-def _nest(key: str, value: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Build a RunConfig from a YAML file (optional) and `section.key=value` overrides, validated."""
+    """Build a RunConfig from a YAML recipe (optional; its `base:` chain merged in, recipe.py) and
+    `section.key=value` overrides (list items by index: `eval.datasets.0.temperature=0.6`), validated."""
     cfg = RunConfig()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path}: expected a mapping at the top level")
-        apply_mapping(cfg, data, "")
+        apply_mapping(cfg, read_recipe(path), "")
     for text in overrides:
-        key, value = parse_override(text)
-        apply_mapping(cfg, _nest(key, value), "")
+        apply_override(cfg, *parse_override(text))
     return validate(cfg)
 
 
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML, every field with its value (defaults included), in RunConfig's
+    order; load_config reads it back to an equal RunConfig."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    Path(path).write_text(dump_config(cfg))
