@@ -9,6 +9,7 @@ from megatron_rl.algo.advantages import (
 from megatron_rl.algo.calib_solve import Rules
 from megatron_rl.algo.calibrated_clip import CalibratedClipController, calibrate_bounds
 from megatron_rl.algo.kl import kl_estimate
+from megatron_rl.algo.loss_spec import LossSpec
 from megatron_rl.algo.metrics import reduce_metrics
 from megatron_rl.algo.policy_loss import bounds_from_eps, loss_denominator, loss_mask, policy_loss
 from megatron_rl.algo.ratio_histogram import RatioHistogram
@@ -18,6 +19,7 @@ from megatron_rl.algo.surrogates import LOSS_MODES, clipped_surrogate, surrogate
 __all__ = [
     "LOSS_MODES",
     "CalibratedClipController",
+    "LossSpec",
     "RatioHistogram",
     "Rules",
     "bounds_from_eps",

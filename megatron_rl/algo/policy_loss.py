@@ -21,26 +21,22 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_rl.algo.kl import KL_TYPES, kl_estimate
+from megatron_rl.algo.kl import kl_estimate
+from megatron_rl.algo.loss_spec import LOSS_AGG_MODES, LossSpec
 from megatron_rl.algo.metrics import Metrics, Reducer, identity_reduce, masked_metric, mean_and_square, metric
 from megatron_rl.algo.rollout_correction import (
-    ROLLOUT_RS_MODES,
     importance_weights,
     mismatch_metrics,
     rejection_mask,
 )
 from megatron_rl.algo.surrogates import (  # noqa: F401 (LOG_RATIO_CLAMP: public here too)
-    CLIPPED_MODES,
     LOG_RATIO_CLAMP,
-    LOSS_MODES,
     SEQUENCE_RATIO_MODES,
     ClipMasks,
     Surrogate,
     sequence_mean,
     surrogate,
 )
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def bounds_from_eps(eps_clip: float = 0.2, eps_clip_high: float | None = None) -> tuple[float, float]:
@@ -115,32 +111,9 @@ def loss_denominator(
     return max(float(total.item()), 1.0)
 
 
-def _check_knobs(
-    denominator: float,
-    clip_low: float,
-    clip_high: float,
-    eps_clip_c: float | None,
-    loss_agg_mode: str,
-    kl_loss_type: str,
-    loss_mode: str = "vanilla",
-    rollout_rs: str = "",
-) -> None:
-    if loss_mode not in LOSS_MODES:
-        raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {loss_mode!r}")
-    if eps_clip_c is not None and loss_mode not in CLIPPED_MODES:
-        raise ValueError(f"eps_clip_c (dual-clip) needs a clipped loss_mode {CLIPPED_MODES}, got {loss_mode!r}")
-    if rollout_rs not in ROLLOUT_RS_MODES:
-        raise ValueError(f"rollout_rs must be one of {ROLLOUT_RS_MODES}, got {rollout_rs!r}")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
-    if kl_loss_type not in KL_TYPES:
-        raise ValueError(f"kl_loss_type must be one of {KL_TYPES}, got {kl_loss_type!r}")
+def _check_denominator(denominator: float) -> None:
     if not float(denominator) > 0.0:
         raise ValueError(f"denominator must be > 0, got {denominator}")
-    if not 0.0 <= clip_low < clip_high:
-        raise ValueError(f"need 0 <= clip_low < clip_high, got clip_low={clip_low}, clip_high={clip_high}")
-    if eps_clip_c is not None and not eps_clip_c > 1.0:
-        raise ValueError(f"eps_clip_c (dual-clip) must be > 1, got {eps_clip_c}")
 
 
 def _check_tensors(logprobs: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -264,33 +237,13 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    spec: LossSpec,
     *,
     denominator: float,
-    clip_low: float,
-    clip_high: float,
-    eps_clip_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    loss_mode: str = "vanilla",
     rollout_logprobs: torch.Tensor | None = None,
-    use_tis: bool = False,
-    tis_clip: float = 2.0,
-    tis_clip_low: float = 0.0,
-    tis_mode: str = "truncate",
-    tis_level: str = "token",
-    icepop_low: float = 0.5,
-    icepop_high: float = 5.0,
-    rollout_rs: str = "",
-    rollout_rs_threshold: float = 2.0,
-    rollout_rs_threshold_low: float | None = None,
-    dro_beta: float = 1.0,
     ref_logprobs: torch.Tensor | None = None,
-    kl_loss_type: str = "k3",
-    kl_loss_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
     ratio_ref: torch.Tensor | None = None,
-    ref_clip_low: float | None = None,
-    ref_clip_high: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Policy loss of one micro-batch: this shard's additive share of the global-batch loss.
 
@@ -301,75 +254,69 @@ def policy_loss(
         old_logprobs: [B, T] float, policy at theta_old (trainer recompute, or rollout); detached.
         advantages: [B, T] float, per token (GRPO broadcasts the sequence advantage).
         mask: [B, T] bool/0-1, response tokens.
+        spec: the knobs (loss_spec.LossSpec): ratio bounds (L, H) (bounds_from_eps(eps_clip,
+            eps_clip_high) or the CalibratedClipController's), dual-clip, aggregation, loss mode, rollout
+            correction (TIS / IcePop, token or sequence weights), rejection (verl's token_k1), KL and
+            entropy coefficients, the reference ratio's bounds.
         denominator: global normaliser from `loss_denominator` (same agg mode, all micro-batches, DP;
             with rollout_rs, counted on the kept tokens: `loss_mask`).
-        clip_low, clip_high: ratio bounds (L, H): bounds_from_eps(eps_clip, eps_clip_high) or the
-            CalibratedClipController's bounds. CISPO's bounds on its weight (L may be 0: no lower bound).
-        eps_clip_c: dual-clip c > 1 (applies to A < 0 only), None = off; clipped loss modes only.
-        loss_agg_mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum".
-        loss_mode: the per-token surrogate, surrogates.LOSS_MODES: "vanilla" | "gspo" | "gspo_token"
-            | "cispo" | "reinforce" | "dro" (dro_beta: its quadratic penalty weight).
         rollout_logprobs: [B, T] rollout-engine logprobs; enables mismatch/* metrics (over `mask`,
             the pre-rejection mask, so rejection cannot hide mismatch), TIS/IcePop and rollout_rs.
-        use_tis, tis_mode, tis_level, tis_clip, tis_clip_low, icepop_low, icepop_high: rollout
-            correction, see rollout_correction.importance_weights (token or sequence weights).
-        rollout_rs, rollout_rs_threshold, rollout_rs_threshold_low: rejection sampling (verl's
-            token_k1): rejected tokens leave the loss mask; see rollout_correction.rejection_mask.
-        ref_logprobs, kl_loss_type, kl_loss_coef: KL penalty against the reference policy (k1/k2/k3).
-        entropy, entropy_coef: [B, T] per-token entropy (with grad) and the bonus weight.
+        ref_logprobs: [B, T] reference policy, for the KL penalty (kl_loss_type: k1/k2/k3).
+        entropy: [B, T] per-token entropy (with grad), for the bonus.
         ratio_ref: [B, T] high-precision (BF16 shadow) token ratio of the same tokens, for false-clip
-            metrics (made a sequence ratio under the sequence loss modes); ref_clip_low/high are its
-            bounds (default clip_low/high; pass 1 -/+ eps when (L, H) are calibrated).
+            metrics (made a sequence ratio under the sequence loss modes), at spec.ref_clip_low/high.
 
     Returns:
         (loss scalar with grad, metrics: dict of float64 [2] (numerator, denominator); reduce
         with metrics.reduce_metrics). `loss` and `pg_loss` reduce to the global-batch loss.
     """
-    _check_knobs(denominator, clip_low, clip_high, eps_clip_c, loss_agg_mode, kl_loss_type, loss_mode, rollout_rs)
+    s = spec
+    _check_denominator(denominator)
     _check_tensors(logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask, entropy=entropy,
                    rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, ratio_ref=ratio_ref)
-    _check_needs(use_tis, rollout_logprobs, kl_loss_coef, ref_logprobs, entropy_coef, entropy, rollout_rs)
+    _check_needs(s.use_tis, rollout_logprobs, s.kl_loss_coef, ref_logprobs, s.entropy_coef, entropy, s.rollout_rs)
 
     response = mask.bool()
     metrics: Metrics = {}
     valid = response
-    if rollout_rs:
-        valid, rs_metrics = rejection_mask(old_logprobs, rollout_logprobs, response, rollout_rs,
-                                           rollout_rs_threshold, rollout_rs_threshold_low)
+    if s.rollout_rs:
+        valid, rs_metrics = rejection_mask(old_logprobs, rollout_logprobs, response, s.rollout_rs,
+                                           s.rollout_rs_threshold, s.rollout_rs_threshold_low)
         metrics.update(rs_metrics)
     raw_log_ratio = logprobs.float() - old_logprobs.detach().float()
     log_ratio = torch.where(valid, raw_log_ratio, 0.0)
     adv = torch.where(valid, advantages.detach().float(), 0.0)
     logprobs = torch.where(valid, logprobs.float(), 0.0)
-    sur = surrogate(loss_mode, logprobs=logprobs, log_ratio=log_ratio, advantages=adv, valid=valid,
-                    clip_low=clip_low, clip_high=clip_high, eps_clip_c=eps_clip_c, dro_beta=dro_beta)
+    sur = surrogate(s.loss_mode, logprobs=logprobs, log_ratio=log_ratio, advantages=adv, valid=valid,
+                    clip_low=s.clip_low, clip_high=s.clip_high, eps_clip_c=s.eps_clip_c, dro_beta=s.dro_beta)
     pg_tok = sur.loss
     metrics.update(sur.metrics)
 
     metrics["nonfinite_logprobs"] = metric((response & ~torch.isfinite(raw_log_ratio)).sum(), response.sum())
     if rollout_logprobs is not None:
         metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, response))
-    if use_tis:
+    if s.use_tis:
         weights, tis_metrics = importance_weights(
-            old_logprobs, rollout_logprobs, response, mode=tis_mode, tis_clip=tis_clip, tis_clip_low=tis_clip_low,
-            icepop_low=icepop_low, icepop_high=icepop_high, level=tis_level,
+            old_logprobs, rollout_logprobs, response, mode=s.tis_mode, tis_clip=s.tis_clip,
+            tis_clip_low=s.tis_clip_low, icepop_low=s.icepop_low, icepop_high=s.icepop_high, level=s.tis_level,
         )
         pg_tok = pg_tok * weights
         metrics.update(tis_metrics)
     penalty_tok, penalty_metrics = _penalties(
-        logprobs, valid, ref_logprobs, kl_loss_type, kl_loss_coef, entropy, entropy_coef
+        logprobs, valid, ref_logprobs, s.kl_loss_type, s.kl_loss_coef, entropy, s.entropy_coef
     )
     metrics.update(penalty_metrics)
 
     total_tok = pg_tok + penalty_tok
-    numerator, count = aggregate(total_tok, valid, loss_agg_mode)
+    numerator, count = aggregate(total_tok, valid, s.loss_agg_mode)
     # Metric sums in float64, so they add up the same whatever the micro-batch split.
-    metrics["loss"] = metric(aggregate(total_tok.detach().double(), valid, loss_agg_mode)[0], count)
-    metrics["pg_loss"] = metric(aggregate(pg_tok.detach().double(), valid, loss_agg_mode)[0], count)
-    metrics.update(_ratio_metrics(log_ratio, sur, adv, valid, clip_low, clip_high, eps_clip_c is not None))
+    metrics["loss"] = metric(aggregate(total_tok.detach().double(), valid, s.loss_agg_mode)[0], count)
+    metrics["pg_loss"] = metric(aggregate(pg_tok.detach().double(), valid, s.loss_agg_mode)[0], count)
+    metrics.update(_ratio_metrics(log_ratio, sur, adv, valid, s.clip_low, s.clip_high, s.eps_clip_c is not None))
     if ratio_ref is not None:
-        metrics.update(_reference_metrics(ratio_ref, sur, adv, valid, loss_mode, clip_low, clip_high,
-                                          ref_clip_low, ref_clip_high))
+        metrics.update(_reference_metrics(ratio_ref, sur, adv, valid, s.loss_mode, s.clip_low, s.clip_high,
+                                          s.ref_clip_low, s.ref_clip_high))
     return numerator / float(denominator), metrics
 
 

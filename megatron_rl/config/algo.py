@@ -7,14 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_rl.algo.loss_spec import LOSS_AGG_MODES
 from megatron_rl.algo.rollout_correction import ROLLOUT_RS_MODES, TIS_LEVELS
 from megatron_rl.algo.surrogates import CLIPPED_MODES, LOSS_MODES
 
 if TYPE_CHECKING:
     from megatron_rl.config.run import RunConfig
-
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclass

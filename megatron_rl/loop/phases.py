@@ -564,23 +564,30 @@ def _dump_histogram(run, hist, step: int, local: torch.Tensor, inputs: list[torc
                path / f"calib_{step:06d}.pt")
 
 
+def loss_spec(a, bounds: tuple[float, float]):
+    """policy_loss's knobs from the algo config `a` at the clip bounds (L, H) in force; the false-clip
+    metrics judge the BF16 reference ratio at the configured bounds (1 - eps_clip, 1 + eps_clip_high)."""
+    from megatron_rl.algo.loss_spec import LossSpec
+
+    return LossSpec(
+        clip_low=bounds[0], clip_high=bounds[1], eps_clip_c=a.eps_clip_c, loss_agg_mode=a.loss_agg_mode,
+        loss_mode=a.loss_mode, use_tis=a.use_tis, tis_clip=a.tis_clip, tis_clip_low=a.tis_clip_low,
+        tis_mode=a.tis_mode, tis_level=a.tis_level, icepop_low=a.icepop_low, icepop_high=a.icepop_high,
+        **_rs_kwargs(a), dro_beta=a.dro_beta, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
+        entropy_coef=a.entropy_coef, ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
+
+
 def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: bool = False):
     from megatron_rl.algo.policy_loss import policy_loss
 
-    a = run.cfg.algo
+    spec = loss_spec(run.cfg.algo, bounds)  # once per mini-batch: checked here, not per micro-batch
 
     def loss_fn(logprobs, entropy, mb):
         logprobs, entropy, mb = per_sequence(logprobs, entropy, mb)  # packed: seq-mean stays exact
         loss, metrics = policy_loss(
-            logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], denominator=denominator,
-            clip_low=bounds[0], clip_high=bounds[1], eps_clip_c=a.eps_clip_c, loss_agg_mode=a.loss_agg_mode,
-            loss_mode=a.loss_mode, dro_beta=a.dro_beta, **_rs_kwargs(a),
-            rollout_logprobs=mb["rollout_logprobs"], use_tis=a.use_tis, tis_clip=a.tis_clip,
-            tis_clip_low=a.tis_clip_low, tis_mode=a.tis_mode, tis_level=a.tis_level, icepop_low=a.icepop_low,
-            icepop_high=a.icepop_high, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
-            ref_logprobs=mb.get("ref_logprobs"),
-            entropy=entropy, entropy_coef=a.entropy_coef, ratio_ref=mb.get("ratio_ref"),
-            ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
+            logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], spec, denominator=denominator,
+            rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb.get("ref_logprobs"), entropy=entropy,
+            ratio_ref=mb.get("ratio_ref"))
         if calibrating:
             metrics[HIST_KEY] = _histogram_payload(run, logprobs, mb)
             if _dumps_calibration(run):

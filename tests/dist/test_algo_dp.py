@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from megatron_rl.algo.calibrated_clip import CalibratedClipController, calibrate_bounds
 from megatron_rl.algo.metrics import reduce_metrics
-from megatron_rl.algo.policy_loss import loss_denominator, policy_loss
+from megatron_rl.algo.policy_loss import LossSpec, loss_denominator, policy_loss
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # Uneven shards (rank 0: 3 sequences in micro-batches of 1 + 2, rank 1: 9 in 4 + 5), so a mean of
@@ -54,7 +54,8 @@ def _run(batch, micro_batches, reduce=None):
         for s in micro_batches:
             args = {k: batch[k][s] for k in ("old_logprobs", "advantages", "mask")}
             kw = {k: batch[k][s] for k in ("rollout_logprobs", "ref_logprobs", "entropy", "ratio_ref")}
-            loss, m = policy_loss(lp[s], **args, denominator=denom, loss_agg_mode=mode, **kw, **LOSS_KW)
+            loss, m = policy_loss(lp[s], **args, spec=LossSpec(loss_agg_mode=mode, **LOSS_KW), denominator=denom,
+                                  **kw)
             losses.append(loss)
             metrics.append(m)
         total = torch.stack(losses).sum()

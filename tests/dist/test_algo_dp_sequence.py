@@ -30,7 +30,7 @@ def _run(batch, micro_batches, groups, reduce=None):
     from megatron_rl.algo.calibrated_clip import CalibratedClipController
     from megatron_rl.algo.calib_solve import Rules
     from megatron_rl.algo.metrics import reduce_metrics
-    from megatron_rl.algo.policy_loss import loss_denominator, loss_token_weights, policy_loss
+    from megatron_rl.algo.policy_loss import LossSpec, loss_denominator, loss_token_weights, policy_loss
 
     lp = batch["logprobs"].clone().requires_grad_()
     denom = loss_denominator([batch["mask"][s] for s in micro_batches], "seq-mean-token-mean", reduce)
@@ -41,9 +41,10 @@ def _run(batch, micro_batches, groups, reduce=None):
     for s in micro_batches:
         old, mask, rollout = batch["old_logprobs"][s], batch["mask"][s], batch["rollout_logprobs"][s]
         kw = dict(use_tis=True, tis_level="sequence", tis_clip=2.0)
-        loss, m = policy_loss(lp[s], old, batch["advantages"][s], mask, denominator=denom, clip_low=1 - 3e-4,
-                              clip_high=1 + 4e-4, loss_agg_mode="seq-mean-token-mean", loss_mode="gspo",
-                              rollout_logprobs=rollout, **kw)
+        spec = LossSpec(clip_low=1 - 3e-4, clip_high=1 + 4e-4, loss_agg_mode="seq-mean-token-mean",
+                        loss_mode="gspo", **kw)
+        loss, m = policy_loss(lp[s], old, batch["advantages"][s], mask, spec, denominator=denom,
+                              rollout_logprobs=rollout)
         losses.append(loss)
         metrics.append(m)
         weights = loss_token_weights(mask, "seq-mean-token-mean", old, rollout, use_tis=True, level="sequence",

@@ -57,13 +57,14 @@ def _rl_batch(num: int, width: int, seed: int) -> dict:
 
 
 def _policy_loss_fn(mode: str, denominator: float):
-    from megatron_rl.algo.policy_loss import policy_loss
+    from megatron_rl.algo.policy_loss import LossSpec, policy_loss
 
     def loss_fn(logprobs, entropy, mb):
         logprobs, entropy, mb = per_sequence(logprobs, entropy, mb)
         return policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                           denominator=denominator, loss_agg_mode=mode, clip_low=0.8, clip_high=1.2,
-                           rollout_logprobs=mb["rollout_logprobs"], entropy=entropy, entropy_coef=0.01)
+                           LossSpec(loss_agg_mode=mode, clip_low=0.8, clip_high=1.2, entropy_coef=0.01),
+                           denominator=denominator, rollout_logprobs=mb["rollout_logprobs"],
+                           entropy=entropy)
     return loss_fn
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.algo.metrics import reduce_metrics
-from megatron_rl.algo.policy_loss import loss_denominator, loss_mask, loss_token_weights, policy_loss
+from megatron_rl.algo.policy_loss import LossSpec, loss_denominator, loss_mask, loss_token_weights, policy_loss
 
 # NeMo-RL's test_loss_functions.py data: one sequence, ratios 0.5 / 1.0 / 1.5 at old log-prob -1.
 ADV = torch.tensor([[1.0, -1.0, 2.0]])
@@ -16,6 +16,7 @@ OLD = torch.tensor([[-1.0, -1.0, -1.0]])
 CURR = torch.tensor([[-1.69315, -1.0, -0.59453]])
 GEN = torch.tensor([[-0.5, -1.5, -0.8]])
 ONES = torch.ones(1, 3)
+TENSOR_ARGS = ("rollout_logprobs", "ref_logprobs", "entropy", "ratio_ref")  # the other keywords: LossSpec
 
 
 def _loss(lp, old=OLD, adv=ADV, mask=ONES, mode="seq-mean-token-mean", **kw):
@@ -25,7 +26,9 @@ def _loss(lp, old=OLD, adv=ADV, mask=ONES, mode="seq-mean-token-mean", **kw):
                      kw.get("rollout_rs_threshold", 2.0), kw.get("rollout_rs_threshold_low"))
     kw.setdefault("clip_low", 0.8)
     kw.setdefault("clip_high", 1.2)
-    loss, metrics = policy_loss(lp, old, adv, mask, denominator=loss_denominator(kept, mode), loss_agg_mode=mode, **kw)
+    tensors = {k: kw.pop(k) for k in TENSOR_ARGS if k in kw}
+    loss, metrics = policy_loss(lp, old, adv, mask, LossSpec(loss_agg_mode=mode, **kw),
+                                denominator=loss_denominator(kept, mode), **tensors)
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.item(), grad, reduce_metrics([metrics])
 
@@ -254,6 +257,7 @@ def test_rejection_threshold_direction_is_verls_k1():
      "rollout_rs_threshold"),
 ])
 def test_bad_arguments_name_the_knob(kwargs, match):
+    tensors = {k: kwargs.pop(k) for k in TENSOR_ARGS if k in kwargs}
     with pytest.raises(ValueError, match=match):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), denominator=1.0,
-                    clip_low=0.8, clip_high=1.2, **kwargs)
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3),
+                    LossSpec(clip_low=0.8, clip_high=1.2, **kwargs), denominator=1.0, **tensors)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rl.algo.metrics import reduce_metrics
-from megatron_rl.algo.policy_loss import bounds_from_eps, loss_denominator, policy_loss
+from megatron_rl.algo.policy_loss import LossSpec, bounds_from_eps, loss_denominator, policy_loss
 
 NAN = float("nan")
 
@@ -42,7 +42,7 @@ def test_bounds_from_eps():
 
 def test_ppo_clip_values_gradients_and_clip_metrics_by_hand():
     logprobs, old, adv, mask = _inputs()
-    loss, metrics = policy_loss(logprobs, old, adv, mask, denominator=6.0, clip_low=0.8, clip_high=1.2)
+    loss, metrics = policy_loss(logprobs, old, adv, mask, LossSpec(clip_low=0.8, clip_high=1.2), denominator=6.0)
     assert loss.item() == pytest.approx((0.8 + 0.9 - 2.0 - 2.4 - 0.7 + 4.0) / 6, abs=1e-6)
     loss.backward()
     # d/dlogp of -A r is -A r; clipped tokens exactly 0; padding exactly 0 despite NaN inputs.
@@ -64,14 +64,15 @@ def test_ppo_clip_values_gradients_and_clip_metrics_by_hand():
 
 def test_dual_clip_by_hand():
     logprobs, old, adv, mask = _inputs()
-    loss, metrics = policy_loss(logprobs, old, adv, mask, denominator=6.0, clip_low=0.8, clip_high=1.2, eps_clip_c=3.0)
+    loss, metrics = policy_loss(logprobs, old, adv, mask, LossSpec(clip_low=0.8, clip_high=1.2, eps_clip_c=3.0),
+                                denominator=6.0)
     assert loss.item() == pytest.approx((0.8 + 0.9 - 2.0 - 2.4 - 0.7 + 3.0) / 6, abs=1e-6)
     loss.backward()
     assert torch.allclose(logprobs.grad[0, :6], torch.tensor([0.0, 0.9, -2.0, 0.0, -0.7, 0.0]) / 6, atol=1e-6)
     m = reduce_metrics([metrics])
     assert m["clip/dual"] == pytest.approx(1 / 3) and m["pg_clipfrac"] == pytest.approx(3 / 6)
     with pytest.raises(ValueError, match="eps_clip_c"):
-        policy_loss(logprobs, old, adv, mask, denominator=6.0, clip_low=0.8, clip_high=1.2, eps_clip_c=1.0)
+        policy_loss(logprobs, old, adv, mask, LossSpec(clip_low=0.8, clip_high=1.2, eps_clip_c=1.0), denominator=6.0)
 
 
 def test_negative_advantage_gradient_is_zero_iff_ratio_below_low():
@@ -83,7 +84,8 @@ def test_negative_advantage_gradient_is_zero_iff_ratio_below_low():
     old = torch.randn_like(log_ratio)
     logprobs = (old + log_ratio).requires_grad_()
     adv = -torch.rand_like(log_ratio) - 0.1
-    loss, _ = policy_loss(logprobs, old, adv, torch.ones_like(adv), denominator=1.0, clip_low=low, clip_high=1.2)
+    loss, _ = policy_loss(logprobs, old, adv, torch.ones_like(adv), LossSpec(clip_low=low, clip_high=1.2),
+                          denominator=1.0)
     loss.backward()
     ratio = torch.exp(logprobs.detach() - old)
     assert torch.equal(logprobs.grad == 0, ratio < low)
@@ -109,8 +111,8 @@ def _agg_inputs():
 def test_aggregation_modes_by_hand(mode, denominator, expected):
     logprobs, old, adv, mask = _agg_inputs()
     assert loss_denominator(mask, mode) == denominator  # fully masked row 2 is left out
-    loss, metrics = policy_loss(logprobs, old, adv, mask, denominator=denominator, clip_low=0.8, clip_high=1.2,
-                                loss_agg_mode=mode)
+    loss, metrics = policy_loss(logprobs, old, adv, mask, LossSpec(clip_low=0.8, clip_high=1.2, loss_agg_mode=mode),
+                                denominator=denominator)
     assert loss.item() == pytest.approx(expected)
     assert reduce_metrics([metrics])["pg_loss"] == pytest.approx(expected)
 
@@ -143,22 +145,22 @@ def _tis_inputs(log_w):
 
 def test_tis_truncation_by_hand():
     logprobs, old, rollout, adv, mask = _tis_inputs([math.log(3.0), math.log(0.5), 0.0])
-    loss, metrics = policy_loss(logprobs, old, adv, mask, denominator=3.0, clip_low=0.8, clip_high=1.2,
-                                rollout_logprobs=rollout, use_tis=True)
+    loss, metrics = policy_loss(logprobs, old, adv, mask, LossSpec(clip_low=0.8, clip_high=1.2, use_tis=True),
+                                denominator=3.0, rollout_logprobs=rollout)
     assert loss.item() == pytest.approx((2.0 + 0.5 + 1.0) / 3, rel=1e-6)
     loss.backward()
     assert torch.allclose(logprobs.grad, torch.tensor([[2.0, 0.5, 1.0]]) / 3, rtol=1e-6)
     assert reduce_metrics([metrics])["tis_clipfrac"] == pytest.approx(1 / 3)
-    loss, metrics = policy_loss(logprobs, old, adv, mask, denominator=3.0, clip_low=0.8, clip_high=1.2,
-                                rollout_logprobs=rollout, use_tis=True, tis_clip_low=0.6)
+    loss, metrics = policy_loss(logprobs, old, adv, mask, LossSpec(clip_low=0.8, clip_high=1.2, use_tis=True,
+                                tis_clip_low=0.6), denominator=3.0, rollout_logprobs=rollout)
     assert loss.item() == pytest.approx((2.0 + 0.6 + 1.0) / 3, rel=1e-6)
     assert reduce_metrics([metrics])["tis_clipfrac"] == pytest.approx(2 / 3)
 
 
 def test_icepop_masks_out_of_band_tokens_but_keeps_them_in_denominator():
     logprobs, old, rollout, adv, mask = _tis_inputs([math.log(6.0), math.log(0.5), 0.0, math.log(0.4), math.log(5.0)])
-    loss, metrics = policy_loss(logprobs, old, adv, mask, denominator=5.0, clip_low=0.8, clip_high=1.2,
-                                rollout_logprobs=rollout, use_tis=True, tis_mode="icepop")
+    loss, metrics = policy_loss(logprobs, old, adv, mask, LossSpec(clip_low=0.8, clip_high=1.2, use_tis=True,
+                                tis_mode="icepop"), denominator=5.0, rollout_logprobs=rollout)
     # band [0.5, 5] inclusive: weights 0, 0.5, 1, 0, 5
     assert loss.item() == pytest.approx((0.5 + 1.0 + 5.0) / 5, rel=1e-6)
     assert reduce_metrics([metrics])["tis_clipfrac"] == pytest.approx(2 / 5)
@@ -169,8 +171,8 @@ def test_mismatch_metrics_and_ess_by_hand():
     old = logprobs.detach().clone()
     rollout = torch.tensor([[-1.1, -0.8, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    _, metrics = policy_loss(logprobs, old, torch.ones(1, 3), mask, denominator=2.0, clip_low=0.8, clip_high=1.2,
-                             rollout_logprobs=rollout)
+    _, metrics = policy_loss(logprobs, old, torch.ones(1, 3), mask, LossSpec(clip_low=0.8, clip_high=1.2),
+                             denominator=2.0, rollout_logprobs=rollout)
     m = reduce_metrics([metrics])
     d = [0.1, -0.2]
     assert m["mismatch/abs_logprob_diff"] == pytest.approx(0.15, rel=1e-6)
@@ -188,8 +190,9 @@ def test_kl_penalty_values_and_gradient_by_hand(kl_type):
     d = [-0.5, 1.0]  # ref - new
     per_token = {"k1": [-x for x in d], "k2": [x * x / 2 for x in d], "k3": [math.exp(x) - 1 - x for x in d]}[kl_type]
     grad = {"k1": [1.0, 1.0], "k2": [-x for x in d], "k3": [1 - math.exp(x) for x in d]}[kl_type]
-    loss, metrics = policy_loss(logprobs, logprobs.detach(), torch.zeros(1, 2), torch.ones(1, 2), denominator=2.0,
-                                clip_low=0.8, clip_high=1.2, ref_logprobs=ref, kl_loss_type=kl_type, kl_loss_coef=0.1)
+    loss, metrics = policy_loss(logprobs, logprobs.detach(), torch.zeros(1, 2), torch.ones(1, 2),
+                                LossSpec(clip_low=0.8, clip_high=1.2, kl_loss_type=kl_type,
+                                kl_loss_coef=0.1), denominator=2.0, ref_logprobs=ref)
     assert loss.item() == pytest.approx(0.1 * sum(per_token) / 2, rel=1e-6)
     assert reduce_metrics([metrics])["kl_loss"] == pytest.approx(sum(per_token) / 2, rel=1e-6)
     loss.backward()
@@ -200,8 +203,8 @@ def test_entropy_bonus_by_hand():
     entropy = torch.tensor([[1.0, 3.0, 100.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     lp = torch.zeros(1, 3)
-    loss, metrics = policy_loss(lp, lp, torch.zeros(1, 3), mask, denominator=2.0, clip_low=0.8, clip_high=1.2,
-                                entropy=entropy, entropy_coef=0.01)
+    loss, metrics = policy_loss(lp, lp, torch.zeros(1, 3), mask, LossSpec(clip_low=0.8, clip_high=1.2,
+                                entropy_coef=0.01), denominator=2.0, entropy=entropy)
     assert loss.item() == pytest.approx(-0.01 * 4.0 / 2)
     loss.backward()
     assert torch.allclose(entropy.grad, torch.tensor([[-0.005, -0.005, 0.0]]))
@@ -212,8 +215,9 @@ def test_false_clip_metrics_by_hand():
     logprobs = torch.log(torch.tensor([[0.7, 0.7, 0.9, 0.9, 1.5, 1.1]]))
     ratio_ref = torch.tensor([[0.85, 0.75, 0.75, 0.9, 1.1, 1.3]])
     adv = torch.tensor([[-1.0, -1.0, -1.0, -1.0, 1.0, 1.0]])
-    _, metrics = policy_loss(logprobs, torch.zeros(1, 6), adv, torch.ones(1, 6), denominator=6.0, clip_low=0.8,
-                             clip_high=1.2, ratio_ref=ratio_ref, ref_clip_low=0.8, ref_clip_high=1.2)
+    _, metrics = policy_loss(logprobs, torch.zeros(1, 6), adv, torch.ones(1, 6), LossSpec(clip_low=0.8, clip_high=1.2,
+                             ref_clip_low=0.8, ref_clip_high=1.2), denominator=6.0,
+                             ratio_ref=ratio_ref)
     m = reduce_metrics([metrics])
     # A<0: fp8 clips tokens 0, 1; ref clips 1, 2 -> false {0}, missed {2}
     assert m["false_clip/low_neg"] == pytest.approx(1 / 4) and m["missed_clip/low_neg"] == pytest.approx(1 / 4)
@@ -251,8 +255,8 @@ def test_matches_slow_reference_on_random_data():
     adv = torch.randn(5, 1).expand(shape).contiguous()
     mask = (torch.rand(shape) > 0.3).float()
     kwargs = dict(clip_low=0.75, clip_high=1.3, eps_clip_c=2.5)
-    loss, _ = policy_loss(lp, old, adv, mask, denominator=float(mask.sum()), rollout_logprobs=rollout, use_tis=True,
-                          ref_logprobs=ref, kl_loss_coef=0.05, entropy=ent, entropy_coef=0.01, **kwargs)
+    loss, _ = policy_loss(lp, old, adv, mask, LossSpec(use_tis=True, kl_loss_coef=0.05, entropy_coef=0.01, **kwargs),
+                          denominator=float(mask.sum()), rollout_logprobs=rollout, ref_logprobs=ref, entropy=ent)
     expected = _reference_loss(lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), rollout.tolist(), ref.tolist(),
                                ent.tolist(), 0.75, 1.3, 2.5, 2.0, 0.05, 0.01, float(mask.sum()))
     assert loss.item() == pytest.approx(expected, rel=1e-5)
@@ -275,8 +279,8 @@ def test_micro_batches_give_the_gradient_and_metrics_of_one_big_batch(mode):
         denom = loss_denominator([mask[r] for r in rows_list], mode)
         losses, metrics = [], []
         for r in rows_list:
-            loss, m = policy_loss(lp[r], old[r], adv[r], mask[r], denominator=denom, rollout_logprobs=rollout[r],
-                                  ref_logprobs=ref[r], entropy=ent[r], **kw)
+            loss, m = policy_loss(lp[r], old[r], adv[r], mask[r], LossSpec(**kw), denominator=denom,
+                                  rollout_logprobs=rollout[r], ref_logprobs=ref[r], entropy=ent[r])
             losses.append(loss)
             metrics.append(m)
         total = torch.stack(losses).sum()
@@ -295,10 +299,13 @@ def test_micro_batches_give_the_gradient_and_metrics_of_one_big_batch(mode):
 
 def test_nan_in_valid_tokens_propagates_and_is_counted():
     lp = torch.tensor([[-1.0, NAN, -1.0]], requires_grad=True)
-    loss, metrics = policy_loss(lp, torch.full((1, 3), -1.0), torch.ones(1, 3), torch.ones(1, 3), denominator=3.0,
-                                clip_low=0.8, clip_high=1.2)
+    loss, metrics = policy_loss(lp, torch.full((1, 3), -1.0), torch.ones(1, 3), torch.ones(1, 3),
+                                LossSpec(clip_low=0.8, clip_high=1.2), denominator=3.0)
     assert math.isnan(loss.item())  # never a silent wrong update: the trainer sees a non-finite loss
     assert reduce_metrics([metrics])["nonfinite_logprobs"] == pytest.approx(1 / 3)
+
+
+TENSOR_ARGS = ("denominator", "rollout_logprobs", "ref_logprobs", "entropy", "ratio_ref")  # the rest: LossSpec
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -316,5 +323,7 @@ def test_nan_in_valid_tokens_propagates_and_is_counted():
 def test_bad_arguments_raise_value_error_naming_the_knob(kwargs, match):
     args = dict(denominator=1.0, clip_low=0.8, clip_high=1.2)
     args.update(kwargs)
+    tensors = {k: args.pop(k) for k in TENSOR_ARGS if k in args}
     with pytest.raises(ValueError, match=match):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), **args)
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), LossSpec(**args),
+                    **tensors)

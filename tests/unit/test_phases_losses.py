@@ -1,7 +1,7 @@
 """The loop phases' side of the loss modes: the knobs reach the loss, the denominator counts the
 tokens the rejection mask keeps, and sequence-level calibration feeds one entry per sequence."""
 
-import inspect
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -77,7 +77,7 @@ def test_sequence_calibration_histogram_has_one_entry_per_sequence():
 ])
 def test_every_loss_knob_of_the_config_reaches_the_loss(overrides, knobs):
     """The phase's loss equals policy_loss called with the knobs written out here (non-default values)."""
-    from megatron_rl.algo.policy_loss import policy_loss
+    from megatron_rl.algo.policy_loss import LossSpec, policy_loss
 
     run = _run("calib.enabled=false", "algo.eps_clip=0.25", "algo.eps_clip_high=0.3", *overrides)
     g = torch.Generator().manual_seed(5)
@@ -92,21 +92,22 @@ def test_every_loss_knob_of_the_config_reaches_the_loss(overrides, knobs):
     entropy = torch.rand(3, 5, generator=g)
     loss, metrics = phases._loss_fn(run, 15.0, (0.7, 1.4))(logprobs, entropy, mb)
     want, want_metrics = policy_loss(
-        logprobs, old, mb["advantages"], mb["loss_mask"], denominator=15.0, clip_low=0.7, clip_high=1.4,
+        logprobs, old, mb["advantages"], mb["loss_mask"],
+        LossSpec(clip_low=0.7, clip_high=1.4, ref_clip_low=0.75, ref_clip_high=1.3, **knobs), denominator=15.0,
         rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb["ref_logprobs"], entropy=entropy,
-        ratio_ref=mb["ratio_ref"], ref_clip_low=0.75, ref_clip_high=1.3, **knobs)
+        ratio_ref=mb["ratio_ref"])
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
     assert reduce_metrics([metrics]) == pytest.approx(reduce_metrics([want_metrics]), rel=1e-6, nan_ok=True)
     # each knob matters on this batch: left at its default (the BF16 reference bounds: at the FP8
     # bounds in force, policy_loss's fallback), it gives another loss or other metrics
     written = dict(knobs, ref_clip_low=0.75, ref_clip_high=1.3)
-    defaults = inspect.signature(policy_loss).parameters
+    defaults = {f.name: f for f in dataclasses.fields(LossSpec)}
     for name in [k for k, v in written.items() if v != defaults[k].default]:
         rest = {k: v for k, v in written.items() if k != name}
         other, other_metrics = policy_loss(
-            logprobs, old, mb["advantages"], mb["loss_mask"], denominator=15.0, clip_low=0.7, clip_high=1.4,
-            rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb["ref_logprobs"], entropy=entropy,
-            ratio_ref=mb["ratio_ref"], **rest)
+            logprobs, old, mb["advantages"], mb["loss_mask"], LossSpec(clip_low=0.7, clip_high=1.4, **rest),
+            denominator=15.0, rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb["ref_logprobs"],
+            entropy=entropy, ratio_ref=mb["ratio_ref"])
         assert (float(other) != pytest.approx(float(want), rel=1e-6)
                 or reduce_metrics([other_metrics]) != pytest.approx(reduce_metrics([want_metrics]), rel=1e-6,
                                                                     nan_ok=True)), name

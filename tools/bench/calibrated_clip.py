@@ -21,7 +21,7 @@ import torch
 
 from megatron_rl.algo.calib_solve import Rules
 from megatron_rl.algo.calibrated_clip import CalibratedClipController, calibrate_bounds
-from megatron_rl.algo.policy_loss import policy_loss
+from megatron_rl.algo.policy_loss import LossSpec, policy_loss
 
 SEQ_LEN = 1024
 
@@ -61,10 +61,12 @@ def time_sizes(num_tokens: int, num_bins: int, repeats: int) -> dict[str, float 
 
     def ppo_forward():
         with torch.no_grad():
-            policy_loss(lp, b["old"], b["advantages"], b["mask"], denominator=denom, clip_low=0.8, clip_high=1.28)
+            policy_loss(lp, b["old"], b["advantages"], b["mask"], LossSpec(clip_low=0.8, clip_high=1.28),
+                        denominator=denom)
 
     def ppo_forward_backward():
-        loss, _ = policy_loss(lp, b["old"], b["advantages"], b["mask"], denominator=denom, clip_low=0.8, clip_high=1.28)
+        loss, _ = policy_loss(lp, b["old"], b["advantages"], b["mask"], LossSpec(clip_low=0.8, clip_high=1.28),
+                              denominator=denom)
         loss.backward()
 
     def calibrate():
