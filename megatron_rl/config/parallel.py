@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_rl.actor.settings import validate_parallel  # noqa: F401 (called by validate)
+from megatron_rl.actor.settings import validate_parallel
 
 if TYPE_CHECKING:
     from megatron_rl.config.run import RunConfig
@@ -51,6 +51,12 @@ CHOICES = {
     "transformer_impl": ("auto", "transformer_engine", "local"),
 }
 POSITIVE = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "recompute_num_layers")
+
+
+def check_layout(cfg: RunConfig) -> None:
+    """The device-independent rules of the layout (CP, sequence parallel, the optimizer's overlap),
+    kept next to the trainer that relies on them (actor/settings.py)."""
+    validate_parallel(cfg)
 
 
 def check_host_wait(cfg: RunConfig) -> None:

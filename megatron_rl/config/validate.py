@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.config import (
-    algo, calib, checkpoint, data, eval, health, log, model, parallel, precision, reward, rollout, sync, train,
-)
+from megatron_rl.config import algo, calib, checkpoint, data, health, log, model, parallel, precision, reward
+from megatron_rl.config import eval as evaluation  # the section module, not the builtin
+from megatron_rl.config import rollout, sync, train
 from megatron_rl.config.run import RunConfig
 
 # The sections whose CHOICES / POSITIVE tables are checked, by their key in RunConfig.
 SECTIONS = {
     "model": model, "parallel": parallel, "precision": precision, "algo": algo, "calib": calib,
     "rollout": rollout, "sync": sync, "data": data, "reward": reward, "train": train, "log": log,
-    "checkpoint": checkpoint, "health": health, "eval": eval,
+    "checkpoint": checkpoint, "health": health, "eval": evaluation,
 }
 
 
@@ -50,11 +50,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     health.check_health(cfg.health)
     model.check_outliers(cfg.model)
     rollout.check_sglang(cfg)
-    parallel.validate_parallel(cfg)
+    parallel.check_layout(cfg)
     calib.check_controller(cfg)
     algo.check_losses(cfg.algo)
     calib.check_loss_match(cfg)
-    eval.check_eval(cfg)
+    evaluation.check_eval(cfg)
     checkpoint.check_keep_best(cfg)
     reward.check_reward(cfg.reward)
     data.check_data(cfg.data)
