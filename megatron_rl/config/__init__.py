@@ -1,7 +1,10 @@
 """Typed, nested run configuration: YAML recipes plus `section.key=value` overrides, validated at load.
 
-One module per section (its dataclass, documented fields and validation), `run.py` composing them,
-`recipe.py` / `load.py` / `apply.py` reading YAML recipes (`base:`) and overrides, `validate.py` running every check in order.
+One module per section, named after it (model.py for `model`, ...): its dataclass with every field
+documented under it, CHOICES (field -> allowed values), POSITIVE (fields that must be > 0) and its
+check_* functions. `run.py` composes the sections into RunConfig; `recipe.py` reads a YAML recipe and
+its `base:` chain, `apply.py` applies a mapping or a dotted override with type checks, `load.py` ties
+them together, and `validate.py` runs the tables and every check_* in a fixed order.
 """
 
 from megatron_rl.config.algo import LOSS_AGG_MODES, AlgoConfig
