@@ -250,6 +250,11 @@ class RolloutConfig:
     the text cut before it, the trainer every generated token. SGLang's stop."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample, besides the tokenizer's eos (always a stop). SGLang's stop_token_ids."""
+    repetition_penalty: float = 1.0
+    """In (0, 2]; 1 = off. A token the sample already generated has its logit divided by it (multiplied
+    when negative) before the temperature; prompt tokens are not penalised. SGLang's
+    repetition_penalty, implemented alike by the torch engine. The rollout log-probs are those of
+    the penalised distribution: the trainer's are not, so the mismatch metrics include the penalty."""
     seed: int | None = None
     """Base seed of rollout sampling (per step and rank seeds derive from it); null = train.seed.
     SGLang applies per-request seeds only with rollout.sglang.deterministic_inference."""
@@ -316,6 +321,11 @@ class RewardConfig:
     """url only: retries after a connection error, a timeout, HTTP 429 or 5xx; then the batch scores 0."""
     retry_backoff_s: float = 1.0
     """url only: sleep before retry k (1-based) is retry_backoff_s * 2**(k-1) seconds."""
+    num_workers: int = 4
+    """Reward worker processes per scoring rank (verl's reward_model.num_workers, NeMo-RL's
+    env.math.num_workers): a step's samples are scored concurrently, so slow or hanging rewards
+    cost about their total time / num_workers (batched and url: the batch is split into this many
+    concurrent calls). Only the first rank of each model replica scores."""
 
 
 @dataclass
@@ -427,10 +437,12 @@ class CheckpointConfig:
     whose weights scored highest on that eval metric is named by the file `best` in the checkpoint
     folder (as `latest` names the newest); retention never deletes it. Empty: off. Higher is better.
     Only checkpointed weights compete: evaluate on the steps you save (docs/eval.md)."""
-    keep_last: int = 0
+    keep_last: int = 3
     """Keep only the newest N complete checkpoints (older ones are deleted after each save; the
     one `latest` names, the one a `best` file names and any being written are never deleted).
-    0 = keep all."""
+    0 = keep all. 3: the newest plus two to fall back on (a checkpoint with Adam state is ~14 bytes
+    per parameter, ~110 GB at 8B, so keep-all over 500 steps saved every 50 is ~1.1 TB; three is
+    ~330 GB, and `best` is kept besides)."""
     save_hf_every: int = 0
     """Steps between HF safetensors exports (log.dir/hf/step_XXXXXX: config, tokenizer, weights;
     loadable by transformers and SGLang). 0 = off."""
@@ -455,6 +467,12 @@ class EvalDatasetConfig:
     top_p: float = 1.0
     max_new_tokens: int = 0
     """Response length cap in tokens; 0 = rollout.max_new_tokens."""
+    top_k: int | None = None
+    """null = rollout.top_k; the other sampling knobs below alike: null takes the rollout's."""
+    min_p: float | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
     reward: str = ""
     """Reward function name (rewards.get_reward_fn); empty = the run's (reward.name, else the task's)."""
     max_examples: int = 0
@@ -682,18 +700,26 @@ def _validate_log(log: LogConfig) -> None:
 
 def _validate_sampling(cfg: RunConfig) -> None:
     r = cfg.rollout
-    if not (r.top_k == -1 or r.top_k >= 1):
-        raise ValueError(f"config key 'rollout.top_k': must be -1 (off) or >= 1, got {r.top_k}")
-    if not 0.0 <= r.min_p <= 1.0:
-        raise ValueError(f"config key 'rollout.min_p': must be in [0, 1], got {r.min_p}")
-    if any(not s for s in r.stop):
-        raise ValueError(f"config key 'rollout.stop': empty stop string in {r.stop}")
-    if any(t < 0 for t in r.stop_token_ids):
-        raise ValueError(f"config key 'rollout.stop_token_ids': negative id in {r.stop_token_ids}")
+    _check_sampling_knobs(r, "rollout")
     if r.engine == "sglang" and r.min_p > 0 and r.sglang.deterministic_inference:
         # srt/layers/sampler.py asserts sampling_seed is None on the min-p path.
         raise ValueError("config key 'rollout.min_p': SGLang's seeded (deterministic) sampler does not "
                          "support min_p; set rollout.min_p=0 or rollout.sglang.deterministic_inference=false")
+
+
+def _check_sampling_knobs(section: Any, key: str) -> None:
+    """top_k, min_p, stop, stop_token_ids and repetition_penalty of `section` (None: not set)."""
+    top_k, min_p, rep = section.top_k, section.min_p, section.repetition_penalty
+    if top_k is not None and not (top_k == -1 or top_k >= 1):
+        raise ValueError(f"config key '{key}.top_k': must be -1 (off) or >= 1, got {top_k}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"config key '{key}.min_p': must be in [0, 1], got {min_p}")
+    if any(not s for s in section.stop or ()):
+        raise ValueError(f"config key '{key}.stop': empty stop string in {section.stop}")
+    if any(t < 0 for t in section.stop_token_ids or ()):
+        raise ValueError(f"config key '{key}.stop_token_ids': negative id in {section.stop_token_ids}")
+    if rep is not None and not 0.0 < rep <= 2.0:  # SGLang's range (srt/sampling/sampling_params.py)
+        raise ValueError(f"config key '{key}.repetition_penalty': must be in (0, 2] (1 = off), got {rep}")
 
 
 def _validate_data(d: DataConfig) -> None:
@@ -711,6 +737,8 @@ def _validate_reward(r: RewardConfig) -> None:
 
     if r.max_retries < 0:
         raise ValueError(f"config key 'reward.max_retries': must be >= 0, got {r.max_retries}")
+    if r.num_workers < 1:
+        raise ValueError(f"config key 'reward.num_workers': must be >= 1, got {r.num_workers}")
     if r.retry_backoff_s < 0:
         raise ValueError(f"config key 'reward.retry_backoff_s': must be >= 0, got {r.retry_backoff_s}")
     if r.url:
@@ -886,6 +914,7 @@ def _validate_eval_dataset(cfg: RunConfig, d: EvalDatasetConfig, key: str) -> No
             raise ValueError(f"config key '{key}.{field_name}': must be >= 0, got {getattr(d, field_name)}")
     if not 0.0 < d.top_p <= 1.0:
         raise ValueError(f"config key '{key}.top_p': must be in (0, 1], got {d.top_p}")
+    _check_sampling_knobs(d, key)
     for name in eval_metric_names(d):
         try:
             _, k = parse_metric(name)
