@@ -99,12 +99,18 @@ def _call_batched(fn: Callable, batch: list) -> list[tuple[str, Any]]:
 
 class RewardWorker:
     """One worker process of the pool and the items it holds: `items` (indices, in the order the
-    worker answers them) and `deadline` (time.monotonic() by which its next reply is due)."""
+    worker answers them) and `deadline` (time.monotonic() by which its next message is due).
+
+    A worker starts without blocking the pool: its first work goes into the pipe at once, and until
+    its "ready" message arrives the deadline is STARTUP_TIMEOUT_S, not timeout_s (timeout_s bounds
+    the function, not the start of a worker on a loaded host: a fork can take seconds there, spawn
+    imports the function's module). A pool replacing many timed-out workers restarts them in parallel."""
 
     def __init__(self, runner: "RewardRunner") -> None:
         self.runner = runner
         self.proc: Any = None
         self.conn: Connection | None = None
+        self.ready = False
         self.items: deque[int] = deque()
         self.deadline = 0.0
 
@@ -122,38 +128,35 @@ class RewardWorker:
             self.proc.start()
             # Close the parent's copy of the child end: otherwise a dead worker never reads as EOF.
             child_conn.close()
-            self.conn = parent_conn
-            self._wait_ready(parent_conn)
+            self.conn, self.ready = parent_conn, False
         assert self.conn is not None
         return self.conn
-
-    def _wait_ready(self, conn: Connection) -> None:
-        """Wait for the worker's first message: timeout_s bounds the function, not the start of a
-        worker on a loaded host (a fork can take seconds there; spawn imports the function's module)."""
-        try:
-            if conn.poll(STARTUP_TIMEOUT_S) and conn.recv()[1] == "ready":
-                return
-            reason = f"did not start within {STARTUP_TIMEOUT_S:g} s"
-        except (EOFError, OSError):
-            self.proc.join(timeout=5.0)
-            reason = f"exited at start-up (exit code {self.proc.exitcode})"
-        self.kill()
-        raise RuntimeError(f"reward worker for {self.runner.name} {reason}")
 
     def submit(self, items: list[int], payload: list) -> None:
         self.start().send(payload)
         self.items = deque(items)
-        self.deadline = time.monotonic() + self.runner.timeout_s
+        self.deadline = time.monotonic() + (self.runner.timeout_s if self.ready else STARTUP_TIMEOUT_S)
 
     def read(self) -> tuple[str, Any]:
-        """The reply to items[0]: ("ok", result) | ("error", reason) | ("died", reason)."""
+        """The next message: ("ready", None) | ("ok", result) | ("error", reason) | ("died", reason),
+        the last three for items[0]; RuntimeError naming the reward when the worker died starting."""
         try:
             got, status, value = self.conn.recv()
         except (EOFError, OSError):
+            if not self.ready:
+                self.proc.join(timeout=5.0)
+                self.failed_to_start(f"exited at start-up (exit code {self.proc.exitcode})")
             return "died", "reward worker process died"
-        assert got == self.items[0], f"reward worker replied for item {got}, expected {self.items[0]}"
         self.deadline = time.monotonic() + self.runner.timeout_s
+        if status == "ready":
+            self.ready = True
+            return status, None
+        assert got == self.items[0], f"reward worker replied for item {got}, expected {self.items[0]}"
         return status, value
+
+    def failed_to_start(self, reason: str) -> None:
+        self.kill()
+        raise RuntimeError(f"reward worker for {self.runner.name} {reason}")
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -161,7 +164,7 @@ class RewardWorker:
             self.proc.join()
         if self.conn is not None:
             self.conn.close()
-        self.proc, self.conn, self.items = None, None, deque()
+        self.proc, self.conn, self.ready, self.items = None, None, False, deque()
 
     def close(self) -> None:
         """Stop the worker (politely, then by kill after 1 s)."""
@@ -251,11 +254,15 @@ class RewardRunner:
         for worker in busy:
             if worker.conn in ready:
                 self._take(worker, queue, results, stats)
+            elif time.monotonic() >= worker.deadline and not worker.ready:
+                worker.failed_to_start(f"did not start within {STARTUP_TIMEOUT_S:g} s")
             elif time.monotonic() >= worker.deadline:
                 self._fail_head(worker, queue, stats, "num_timeouts", f"timed out after {self.timeout_s} s")
 
     def _take(self, worker: RewardWorker, queue: deque, results: list[Any], stats: dict[str, Any]) -> None:
         status, value = worker.read()
+        if status == "ready":
+            return
         if status == "died":
             self._fail_head(worker, queue, stats, "num_errors", value)
         elif self.batched:
