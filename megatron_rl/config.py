@@ -306,8 +306,8 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     name: str = ""
-    """A built-in reward (exact_match | position_match | final_answer | math_verify) or a user
-    function by import path: `my_pkg.rewards:score` or `path/to/file.py:score` (docs/rewards.md).
+    """A built-in reward (exact_match | position_match | final_answer | math_verify | dapo | dapo_accuracy)
+    or a user function by import path: `my_pkg.rewards:score` or `path/to/file.py:score` (docs/rewards.md).
     Resolved and signature-checked at config load. Empty = the built-in task's own reward
     (math_verify for a data.path dataset)."""
     timeout_s: float = 10.0

@@ -121,3 +121,21 @@ def test_a_reward_without_extra_arguments_still_works(tmp_path):
         assert ev.evaluate(step=0)["eval/h/avg@1"] == 0.5
     finally:
         ev.close()
+
+
+def test_an_eval_file_with_a_dotted_answer_key_is_read_as_the_training_data(tmp_path):
+    """data.answer_key=reward_model.ground_truth (verl's layout) on an eval file: the check at start
+    accepts the nested column, the answers are the nested values, the other columns ride along."""
+    from megatron_rl.loop.evaluate import build_eval_sets
+
+    rows = [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}, "data_source": "easy"},
+            {"prompt": "2+3=", "reward_model": {"ground_truth": 5}, "data_source": "hard"}]
+    path = tmp_path / "nested.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"name": "h", "path": str(path), "n_samples": 1, "metrics": ["avg@1"], "reward": "exact_match"}
+    cfg = load_config(None, ["data.answer_key=reward_model.ground_truth", "eval.datasets=" + json.dumps([data])])
+    (s,) = build_eval_sets(cfg, build_char_tokenizer())
+    assert [(p.answer, p.extra["data_source"]) for p in s.prompts] == [("2", "easy"), ("5", "hard")]
+    cfg = load_config(None, ["data.answer_key=reward_model.truth", "eval.datasets=" + json.dumps([data])])
+    with pytest.raises(ValueError, match=r"rows missing key: \{'reward_model.truth': 2\}"):
+        build_eval_sets(cfg, build_char_tokenizer())  # past the check (the top column exists), every row lacks it
