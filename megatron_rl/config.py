@@ -324,8 +324,8 @@ class RewardConfig:
     num_workers: int = 4
     """Reward worker processes per scoring rank (verl's reward_model.num_workers, NeMo-RL's
     env.math.num_workers): a step's samples are scored concurrently, so slow or hanging rewards
-    cost about their total time / num_workers (batched and url: the batch is split into this many
-    concurrent calls). Only the first rank of each model replica scores."""
+    cost about their total time / num_workers. A batched or url reward sees the whole batch in one
+    call, in one of them. Only the first rank of each model replica scores."""
 
 
 @dataclass

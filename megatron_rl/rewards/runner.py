@@ -188,9 +188,10 @@ class RewardRunner:
     hanging samples delay only their own chunk: a step's wall time is about its total reward time
     / num_workers, not the sum.
 
-    `batched=True`: `fn(responses, answers, **extra_lists) -> list` scores the batch split into
-    num_workers contiguous shards, one call each, concurrently, each bounded by `timeout_s`; a raise
-    or a timeout scores every sample of its shard 0 (counted per sample). Extra columns reach `fn`
+    `batched=True`: `fn(responses, answers, **extra_lists) -> list` scores the whole batch in one
+    call (a batched function may rely on seeing all of it: group-relative scoring, its own batching
+    to a judge), bounded by `timeout_s`; a raise or a timeout scores every sample 0 (counted per
+    sample). Only per-sample work is spread over the pool. Extra columns reach `fn`
     as keyword arguments: those it names, or all of them when it takes **kwargs.
 
     `mp_context="fork"` (default) lets closures and lambdas run without pickling and starts a
@@ -280,7 +281,7 @@ class RewardRunner:
                 self._record(stats, "num_errors", index, value)
 
     def _fail_head(self, worker: RewardWorker, queue: deque, stats: dict[str, Any], key: str, reason: str) -> None:
-        """A timeout or a death: the item being scored fails (batched: the whole shard); the rest of
+        """A timeout or a death: the item being scored fails (batched: the whole batch); the rest of
         the chunk goes back to the queue's front; the worker is killed (the next submit restarts it)."""
         failed = list(worker.items) if self.batched else [worker.items[0]]
         rest = [] if self.batched else list(worker.items)[1:]
@@ -316,9 +317,9 @@ class RewardRunner:
 
 
 def _chunks(count: int, num_workers: int, batched: bool) -> list[list[int]]:
-    """Item indices in submission order: batched, one contiguous shard per worker; per sample,
-    about CHUNKS_PER_WORKER chunks per worker (one chunk with one worker, as a single process)."""
-    parts = num_workers if batched or num_workers == 1 else num_workers * CHUNKS_PER_WORKER
+    """Item indices in submission order: batched, the whole batch; per sample, about
+    CHUNKS_PER_WORKER chunks per worker (one chunk with one worker, as a single process)."""
+    parts = 1 if batched or num_workers == 1 else num_workers * CHUNKS_PER_WORKER
     size = max(1, math.ceil(count / parts))
     return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
 

@@ -1,7 +1,7 @@
 """The reward worker pool: samples scored concurrently by reward.num_workers processes (shown by a
 barrier that only that many concurrent calls can pass, not by timing), a timeout or a death failing
-only its own item while the rest of its chunk is scored elsewhere, batched rewards split into one
-concurrent call per worker, and the prompt among the reward's keyword arguments."""
+only its own item while the rest of its chunk is scored elsewhere, a batched reward kept whole, and
+the prompt among the reward's keyword arguments."""
 
 import multiprocessing as mp
 import os
@@ -68,7 +68,7 @@ def test_chunks_cover_every_item_once_in_order():
             for batched in (False, True):
                 chunks = _chunks(count, workers, batched)
                 assert [i for c in chunks for i in c] == list(range(count))
-                assert len(chunks) <= (workers if batched or workers == 1 else 4 * workers)
+                assert len(chunks) <= (1 if batched or workers == 1 else 4 * workers)
     assert _chunks(10, 1, False) == [list(range(10))]  # one worker: one message, as before the pool
 
 
@@ -79,13 +79,12 @@ def sizes(responses, answers):
     return [float(len(responses))] * len(responses)
 
 
-def test_a_batched_reward_gets_one_concurrent_call_per_worker():
+def test_a_batched_reward_still_sees_the_whole_batch_in_one_call():
+    """A batched function may score relative to the batch (a group baseline): the pool never splits it."""
     with RewardRunner(sizes, timeout_s=60.0, batched=True, num_workers=3) as runner:
-        assert runner.score(list("abcdefg"), list("abcdefg"))[0] == [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 1.0]
-        rewards, stats = runner.score(["a", "b", "raise", "c", "d", "e"], list("abcdef"))
-        assert rewards == [2.0, 2.0, 0.0, 0.0, 2.0, 2.0] and stats["num_errors"] == 2  # only its shard fails
-    with RewardRunner(sizes, timeout_s=60.0, batched=True) as one:
-        assert one.score(list("abcd"), list("abcd"))[0] == [4.0] * 4
+        assert runner.score(list("abcdefg"), list("abcdefg"))[0] == [7.0] * 7
+        rewards, stats = runner.score(["a", "b", "raise", "c"], list("abcd"))
+        assert rewards == [0.0] * 4 and stats["num_errors"] == 4
 
 
 def with_prompt(response, answer, prompt, level=None):
