@@ -915,6 +915,9 @@ def _validate_eval_dataset(cfg: RunConfig, d: EvalDatasetConfig, key: str) -> No
     if not 0.0 < d.top_p <= 1.0:
         raise ValueError(f"config key '{key}.top_p': must be in (0, 1], got {d.top_p}")
     _check_sampling_knobs(d, key)
+    if cfg.rollout.engine == "sglang" and (d.min_p or 0.0) > 0 and cfg.rollout.sglang.deterministic_inference:
+        raise ValueError(f"config key '{key}.min_p': SGLang's seeded (deterministic) sampler does not support "
+                         "min_p; leave it unset (or 0) or set rollout.sglang.deterministic_inference=false")
     for name in eval_metric_names(d):
         try:
             _, k = parse_metric(name)

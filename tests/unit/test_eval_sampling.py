@@ -139,3 +139,20 @@ def test_an_eval_file_with_a_dotted_answer_key_is_read_as_the_training_data(tmp_
     cfg = load_config(None, ["data.answer_key=reward_model.truth", "eval.datasets=" + json.dumps([data])])
     with pytest.raises(ValueError, match=r"rows missing key: \{'reward_model.truth': 2\}"):
         build_eval_sets(cfg, build_char_tokenizer())  # past the check (the top column exists), every row lacks it
+
+
+def test_bad_dataset_sampling_overrides_name_the_key():
+    base = {"name": "h", "task": "sort"}
+    for field, value, message in (("top_k", 0, "must be -1 \\(off\\) or >= 1"), ("min_p", 1.5, "must be in \\[0, 1\\]"),
+                                  ("stop", [""], "empty stop string"), ("stop_token_ids", [-2], "negative id"),
+                                  ("repetition_penalty", 0.0, "must be in \\(0, 2\\]")):
+        with pytest.raises(ValueError, match=f"config key 'eval.datasets\\[0\\].{field}': {message}"):
+            load_config(None, ["eval.datasets=" + json.dumps([{**base, field: value}])])
+    with pytest.raises(ValueError, match="config key 'eval.datasets\\[0\\].top_k': expected int"):
+        load_config(None, ["eval.datasets=" + json.dumps([{**base, "top_k": "many"}])])
+    unset = load_config(None, ["eval.datasets=" + json.dumps([base])]).eval.datasets[0]
+    assert (unset.top_k, unset.min_p, unset.stop, unset.stop_token_ids, unset.repetition_penalty) == (None,) * 5
+    seeded = ["rollout.engine=sglang", "rollout.sglang.deterministic_inference=true"]
+    with pytest.raises(ValueError, match="config key 'eval.datasets\\[0\\].min_p': SGLang's seeded"):
+        load_config(None, [*seeded, "eval.datasets=" + json.dumps([{**base, "min_p": 0.1}])])
+    load_config(None, [*seeded, "eval.datasets=" + json.dumps([base])])  # unset: the rollout's 0
