@@ -81,7 +81,8 @@ MODULES: dict[str, list[str]] = {
     # The gloo tests run the collectives on real ranks (SPAWNED below reruns the survivors against them).
     "megatron_rl/collectives.py": ["tests/unit/test_collectives.py", "tests/dist/test_host_collectives.py",
                                    "tests/dist/test_weight_group_rendezvous.py"],
-    "megatron_rl/rewards/runner.py": ["tests/unit/test_rewards_worker.py", "tests/unit/test_rewards_runner.py"],
+    "megatron_rl/rewards/runner.py": ["tests/unit/test_rewards_worker.py", "tests/unit/test_rewards_runner.py",
+                                      "tests/unit/test_rewards_pool.py"],
     "megatron_rl/data/loader.py": ["tests/unit/test_data_loader.py", "tests/unit/test_data_datasets.py"],
     "megatron_rl/actor/packing.py": ["tests/unit/test_actor_packing.py"],
 }
@@ -133,7 +134,7 @@ SPAWNED["megatron_rl/loop/phases.py"].update({
 })
 # The reward worker's daemon flag shows only in an interpreter's exit: a script run as a subprocess.
 SPAWNED["megatron_rl/rewards/runner.py"] = {
-    "_ensure_worker": ["tests/unit/test_rewards_worker.py::test_a_script_that_never_closes_its_runner_still_exits"]}
+    "RewardWorker.start": ["tests/unit/test_rewards_worker.py::test_a_script_that_never_closes_its_runner_still_exits"]}
 # The colocated tensor transport's gather: its ranks are processes (a host's GPUs), two in the test.
 SPAWNED["megatron_rl/sync/sglang_transport.py"] = {
     name: ["tests/dist/test_ipc_gather.py"]

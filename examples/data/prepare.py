@@ -15,8 +15,13 @@ Inputs (the columns each source publishes):
 - AIME (e.g. HuggingFaceH4/aime_2024, Maxwell-Jia/AIME_2024): problem / Problem and
   answer / Answer (integers in some copies), any case. The prompt is the problem plus INSTRUCTION.
 
+`--style dapo` asks for the answer as DAPO-Math-17K does (DAPO_TEMPLATE: the last line reads
+"Answer: ..."), for evaluation sets scored like a DAPO run (reward dapo / dapo_accuracy); the DAPO
+converter keeps the published prompt, which asks for it already.
+
 Rows without a problem or an answer are dropped and counted. Train with
-`data.path=data/X.jsonl reward.name=math_verify` (answers are plain LaTeX or integers).
+`data.path=data/X.jsonl reward.name=math_verify` (answers are plain LaTeX or integers), or
+`reward.name=dapo` on DAPO-Math-17K (examples/qwen3_14b_dapo).
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+# DAPO-Math-17K's prompt around a problem (its published user messages read so).
+DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of "
+                 "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+                 "{problem}\n\nRemember to put your answer on its own line after \"Answer:\".")
+STYLES = ("boxed", "dapo")
 
 
 def read_rows(path: str | Path) -> Iterator[dict[str, Any]]:
@@ -65,25 +75,30 @@ def _answer(value: Any) -> str | None:
     return text.strip() or None
 
 
-def deepscaler(rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any] | None]:
+def instructed(problem: str, style: str) -> str:
+    """The prompt of a bare problem: the boxed INSTRUCTION after it, or DAPO_TEMPLATE around it."""
+    return DAPO_TEMPLATE.format(problem=problem.strip()) if style == "dapo" else f"{problem.strip()} {INSTRUCTION}"
+
+
+def deepscaler(rows: Iterable[dict[str, Any]], style: str = "boxed") -> Iterator[dict[str, Any] | None]:
     for row in rows:
         problem, answer = _get(row, "problem"), _answer(_get(row, "answer"))
         yield None if not problem or answer is None else {
-            "prompt": f"{problem.strip()} {INSTRUCTION}", "answer": answer, "data_source": "deepscaler"}
+            "prompt": instructed(problem, style), "answer": answer, "data_source": "deepscaler"}
 
 
-def aime(rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any] | None]:
+def aime(rows: Iterable[dict[str, Any]], style: str = "boxed") -> Iterator[dict[str, Any] | None]:
     for row in rows:
         problem, answer = _get(row, "problem"), _answer(_get(row, "answer"))
         ident = _get(row, "id")
         out = None if not problem or answer is None else {
-            "prompt": f"{problem.strip()} {INSTRUCTION}", "answer": answer, "data_source": "aime"}
+            "prompt": instructed(problem, style), "answer": answer, "data_source": "aime"}
         if out is not None and ident is not None:
             out["id"] = ident
         yield out
 
 
-def dapo(rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any] | None]:
+def dapo(rows: Iterable[dict[str, Any]], style: str = "dapo") -> Iterator[dict[str, Any] | None]:
     seen: set[Any] = set()
     for row in rows:
         index = (row.get("extra_info") or {}).get("index")
@@ -100,14 +115,17 @@ def dapo(rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any] | None]:
 CONVERTERS = {"deepscaler": deepscaler, "dapo": dapo, "aime": aime}
 
 
-def convert(name: str, source: str | Path, out: str | Path) -> dict[str, int]:
-    """Write `out` (JSONL, atomically) from `source`; returns {"written", "dropped"}."""
+def convert(name: str, source: str | Path, out: str | Path, style: str = "boxed") -> dict[str, int]:
+    """Write `out` (JSONL, atomically) from `source`; returns {"written", "dropped"}. `style`: the
+    instruction added to a bare problem (STYLES; DAPO-Math-17K keeps its own prompt)."""
+    if style not in STYLES:
+        raise ValueError(f"style {style!r}: expected one of {list(STYLES)}")
     counts = {"written": 0, "dropped": 0}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for row in CONVERTERS[name](read_rows(source)):
+        for row in CONVERTERS[name](read_rows(source), style):
             if row is None:
                 counts["dropped"] += 1
                 continue
@@ -122,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dataset", choices=sorted(CONVERTERS))
     parser.add_argument("source", help="the local copy (.parquet, .jsonl or .json)")
     parser.add_argument("out", help="the JSONL to write")
+    parser.add_argument("--style", choices=STYLES, default="boxed",
+                        help="instruction added to a bare problem: \\boxed{} (default) or DAPO's 'Answer:'")
     args = parser.parse_args(argv)
-    counts = convert(args.dataset, args.source, args.out)
+    counts = convert(args.dataset, args.source, args.out, args.style)
     print(json.dumps({"out": args.out, **counts}))
     return 0 if counts["written"] else 1
 

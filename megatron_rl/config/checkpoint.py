@@ -26,10 +26,12 @@ class CheckpointConfig:
     whose weights scored highest on that eval metric is named by the file `best` in the checkpoint
     folder (as `latest` names the newest); retention never deletes it. Empty: off. Higher is better.
     Only checkpointed weights compete: evaluate on the steps you save (docs/eval.md)."""
-    keep_last: int = 0
+    keep_last: int = 3
     """Keep only the newest N complete checkpoints (older ones are deleted after each save; the
     one `latest` names, the one a `best` file names and any being written are never deleted).
-    0 = keep all."""
+    0 = keep all. 3: the newest plus two to fall back on (a checkpoint with Adam state is ~14 bytes
+    per parameter, ~110 GB at 8B, so keep-all over 500 steps saved every 50 is ~1.1 TB; three is
+    ~330 GB, and `best` is kept besides)."""
     save_hf_every: int = 0
     """Steps between HF safetensors exports (log.dir/hf/step_XXXXXX: config, tokenizer, weights;
     loadable by transformers and SGLang). 0 = off."""

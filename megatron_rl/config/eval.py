@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_rl.config.rollout import check_sampling_knobs
+
 if TYPE_CHECKING:
     from megatron_rl.config.run import RunConfig
 
@@ -33,6 +35,12 @@ class EvalDatasetConfig:
     top_p: float = 1.0
     max_new_tokens: int = 0
     """Response length cap in tokens; 0 = rollout.max_new_tokens."""
+    top_k: int | None = None
+    """null = rollout.top_k; the other sampling knobs below alike: null takes the rollout's."""
+    min_p: float | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
     reward: str = ""
     """Reward function name (rewards.get_reward_fn); empty = the run's (reward.name, else the task's)."""
     max_examples: int = 0
@@ -108,6 +116,10 @@ def _check_dataset(cfg: RunConfig, d: EvalDatasetConfig, key: str) -> None:
             raise ValueError(f"config key '{key}.{field_name}': must be >= 0, got {getattr(d, field_name)}")
     if not 0.0 < d.top_p <= 1.0:
         raise ValueError(f"config key '{key}.top_p': must be in (0, 1], got {d.top_p}")
+    check_sampling_knobs(d, key)
+    if cfg.rollout.engine == "sglang" and (d.min_p or 0.0) > 0 and cfg.rollout.sglang.deterministic_inference:
+        raise ValueError(f"config key '{key}.min_p': SGLang's seeded (deterministic) sampler does not support "
+                         "min_p; leave it unset (or 0) or set rollout.sglang.deterministic_inference=false")
     for name in eval_metric_names(d):
         try:
             _, k = parse_metric(name)

@@ -31,6 +31,11 @@ class RolloutConfig:
     the text cut before it, the trainer every generated token. SGLang's stop."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a sample, besides the tokenizer's eos (always a stop). SGLang's stop_token_ids."""
+    repetition_penalty: float = 1.0
+    """In (0, 2]; 1 = off. A token the sample already generated has its logit divided by it (multiplied
+    when negative) before the temperature; prompt tokens are not penalised. SGLang's
+    repetition_penalty, implemented alike by the torch engine. The rollout log-probs are those of
+    the penalised distribution: the trainer's are not, so the mismatch metrics include the penalty."""
     seed: int | None = None
     """Base seed of rollout sampling (per step and rank seeds derive from it); null = train.seed.
     SGLang applies per-request seeds only with rollout.sglang.deterministic_inference."""
@@ -74,15 +79,24 @@ def check_sglang(cfg: RunConfig) -> None:
 
 def check_sampling(cfg: RunConfig) -> None:
     r = cfg.rollout
-    if not (r.top_k == -1 or r.top_k >= 1):
-        raise ValueError(f"config key 'rollout.top_k': must be -1 (off) or >= 1, got {r.top_k}")
-    if not 0.0 <= r.min_p <= 1.0:
-        raise ValueError(f"config key 'rollout.min_p': must be in [0, 1], got {r.min_p}")
-    if any(not s for s in r.stop):
-        raise ValueError(f"config key 'rollout.stop': empty stop string in {r.stop}")
-    if any(t < 0 for t in r.stop_token_ids):
-        raise ValueError(f"config key 'rollout.stop_token_ids': negative id in {r.stop_token_ids}")
+    check_sampling_knobs(r, "rollout")
     if r.engine == "sglang" and r.min_p > 0 and r.sglang.deterministic_inference:
         # srt/layers/sampler.py asserts sampling_seed is None on the min-p path.
         raise ValueError("config key 'rollout.min_p': SGLang's seeded (deterministic) sampler does not "
                          "support min_p; set rollout.min_p=0 or rollout.sglang.deterministic_inference=false")
+
+
+def check_sampling_knobs(section, key: str) -> None:
+    """top_k, min_p, stop, stop_token_ids and repetition_penalty of `section` (the rollout section or
+    an eval dataset, where None means: the rollout's)."""
+    top_k, min_p, rep = section.top_k, section.min_p, section.repetition_penalty
+    if top_k is not None and not (top_k == -1 or top_k >= 1):
+        raise ValueError(f"config key '{key}.top_k': must be -1 (off) or >= 1, got {top_k}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"config key '{key}.min_p': must be in [0, 1], got {min_p}")
+    if any(not s for s in section.stop or ()):
+        raise ValueError(f"config key '{key}.stop': empty stop string in {section.stop}")
+    if any(t < 0 for t in section.stop_token_ids or ()):
+        raise ValueError(f"config key '{key}.stop_token_ids': negative id in {section.stop_token_ids}")
+    if rep is not None and not 0.0 < rep <= 2.0:  # SGLang's range (srt/sampling/sampling_params.py)
+        raise ValueError(f"config key '{key}.repetition_penalty': must be in (0, 2] (1 = off), got {rep}")

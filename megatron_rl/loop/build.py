@@ -186,16 +186,21 @@ def reward_name(cfg: RunConfig) -> str:
     return cfg.reward.name or (get_task(cfg.data.task).reward_fn if not cfg.data.path else "math_verify")
 
 
-def build_rewards(cfg: RunConfig):
-    """The reward runner: reward.url (HTTP, batched), a user or built-in reward.name, or the task's."""
+def build_rewards(cfg: RunConfig, name: str = ""):
+    """A reward runner of reward.num_workers processes: reward.url (HTTP, batched), a user or
+    built-in reward.name, or the task's; `name` (an eval dataset's reward) in their place, batched
+    only when it is reward.name itself."""
     from megatron_rl.rewards import HttpReward, RewardRunner, get_reward_fn
 
     r = cfg.reward
-    if r.url:
+    if r.url and not name:
         remote = HttpReward(r.url, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.retry_backoff_s)
         # The worker's wait covers every attempt: the endpoint's own timeouts end the call first.
-        return RewardRunner(remote, timeout_s=remote.max_budget_s() + 5.0, batched=True)
-    return RewardRunner(get_reward_fn(reward_name(cfg), batched=r.batched), timeout_s=r.timeout_s, batched=r.batched)
+        return RewardRunner(remote, timeout_s=remote.max_budget_s() + 5.0, batched=True, num_workers=r.num_workers)
+    name = name or reward_name(cfg)
+    batched = r.batched and name == r.name
+    return RewardRunner(get_reward_fn(name, batched=batched), timeout_s=r.timeout_s, batched=batched,
+                        num_workers=r.num_workers)
 
 
 def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = None, rank: int = 0):

@@ -16,6 +16,7 @@ from megatron_rl import collectives
 from megatron_rl.config import eval_metric_names
 from megatron_rl.loop import build
 from megatron_rl.loop.phases import _broadcast_from_engine_rank, _step_seed
+from megatron_rl.loop.sampling import response_texts, sampling_params, score_texts
 
 log = logging.getLogger("megatron_rl.loop.evaluate")
 
@@ -30,7 +31,7 @@ class EvalSet:
 
     cfg: Any  # config.EvalDatasetConfig
     prompts: list  # data.datasets.PromptItem, every problem (each DP rank takes a stride)
-    reward: str
+    reward: str  # a reward name; "" = reward.url
     extractor: Callable[[str], str | None] | None
     valid_format: Callable[[str], bool] | None
     metrics: list[str]
@@ -72,7 +73,7 @@ def _check_eval_file(path: Path, prompt_key: str, answer_key: str, key: str) -> 
             row = {}
         columns = set(row) if isinstance(row, dict) else set()
     for column, source in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-        if column not in columns:
+        if column not in columns and column.split(".")[0] not in columns:  # a dotted key: its top column
             where = "columns" if path.suffix == ".parquet" else "first row has keys"
             raise ValueError(f"config key '{key}': {path} has no {source} column {column!r} "
                              f"(its {where}: {sorted(columns)})")
@@ -88,8 +89,10 @@ def build_eval_sets(cfg, tokenizer) -> list[EvalSet]:
         key = f"eval.datasets[{i}]"
         try:
             spec = get_task(d.task) if d.task else None
-            reward = d.reward or cfg.reward.name or (spec.reward_fn if spec else build.reward_name(cfg))
-            get_reward_fn(reward)
+            run_reward = "" if cfg.reward.url else build.reward_name(cfg)  # "": the run's remote reward
+            reward = d.reward or cfg.reward.name or (spec.reward_fn if spec else run_reward)
+            if reward:
+                get_reward_fn(reward)
         except ValueError as err:
             raise ValueError(f"config key '{key}.{'reward' if d.reward else 'task'}': {err}") from None
         if d.path:
@@ -143,8 +146,8 @@ class Evaluator:
         out = {}
         for index, s in enumerate(self.sets):
             t0 = time.perf_counter()
-            rows = self._score_shard(engine, s, _step_seed(self.run.cfg.train.seed, step, EVAL_SALT + index))
-            named = _reduce(self.run, s, rows)
+            rows, failures = self._score_shard(engine, s, _step_seed(self.run.cfg.train.seed, step, EVAL_SALT + index))
+            named = _reduce(self.run, s, rows, failures)
             named["time"] = time.perf_counter() - t0
             out.update({f"eval/{s.cfg.name}/{prefix}{k}": v for k, v in named.items()})
             self.results.setdefault(s.cfg.name, {"k": s.cfg.n_samples, "n_problems": len(s.prompts)})
@@ -154,35 +157,33 @@ class Evaluator:
                 _dump(self.run, rows, dump_dir / f"step_{step:06d}_{s.cfg.name}{'_bf16' if prefix else ''}.jsonl")
         return out
 
-    def _score_shard(self, engine, s: EvalSet, seed: int) -> list[dict]:
+    def _score_shard(self, engine, s: EvalSet, seed: int) -> tuple[list[dict], list[int]]:
         """This DP rank's problems (a stride), generated and scored on the engine rank and
-        broadcast to its model-parallel peers (phases does the same for rollouts)."""
+        broadcast to its model-parallel peers (phases does the same for rollouts), with the
+        reward's [errors, timeouts] over them."""
         run = self.run
         shard = s.prompts[run.parallel.dp_rank::run.parallel.dp_size]
-        rows = self._generate_and_score(engine, s, shard, seed) if run.is_engine_rank else None
-        return _broadcast_from_engine_rank(rows, run.parallel, run.host_groups)
+        scored = self._generate_and_score(engine, s, shard, seed) if run.is_engine_rank else None
+        return _broadcast_from_engine_rank(scored, run.parallel, run.host_groups)
 
-    def _generate_and_score(self, engine, s: EvalSet, shard: list, seed: int) -> list[dict]:
-        from megatron_rl.rollout.base import SamplingParams
-
+    def _generate_and_score(self, engine, s: EvalSet, shard: list, seed: int) -> tuple[list[dict], list[int]]:
+        """The rollout path (loop/sampling.py) with the dataset's sampling overrides."""
         if not shard:
-            return []
-        d, n = s.cfg, s.cfg.n_samples
-        sampling = SamplingParams(temperature=d.temperature, top_p=d.top_p, n=n, seed=seed,
-                                  max_new_tokens=d.max_new_tokens or self.run.cfg.rollout.max_new_tokens,
-                                  stop_token_ids=[self.run.tokenizer.eos_token_id])
+            return [], [0, 0]
+        d, n, run = s.cfg, s.cfg.n_samples, self.run
+        sampling = sampling_params(run.cfg.rollout, run.tokenizer.eos_token_id, n=n, seed=seed,
+                                   overrides=eval_overrides(d))
         samples = engine.generate([p.prompt_ids for p in shard], sampling)
-        texts = self.run.tokenizer.batch_decode([x.response_ids for x in samples], skip_special_tokens=True)
-        rewards, stats = self._runner(s.reward).score(texts, [shard[i // n].answer for i in range(len(texts))])
+        texts = response_texts(run.tokenizer, samples, sampling.stop)
+        rewards, stats = score_texts(self._runner(s.reward), shard, texts, n)
         preds = stats.get("preds") or [s.extractor(t) if s.extractor else None for t in texts]
-        return [_problem_row(p, samples[i * n:(i + 1) * n], texts[i * n:(i + 1) * n], rewards[i * n:(i + 1) * n],
+        rows = [_problem_row(p, samples[i * n:(i + 1) * n], texts[i * n:(i + 1) * n], rewards[i * n:(i + 1) * n],
                              preds[i * n:(i + 1) * n], s.valid_format) for i, p in enumerate(shard)]
+        return rows, [stats["num_errors"], stats["num_timeouts"]]
 
     def _runner(self, name: str):
-        from megatron_rl.rewards import RewardRunner, get_reward_fn
-
         if name not in self.runners:
-            self.runners[name] = RewardRunner(get_reward_fn(name), timeout_s=self.run.cfg.reward.timeout_s)
+            self.runners[name] = build.build_rewards(self.run.cfg, name)
         return self.runners[name]
 
     def _bf16_engine(self, memory):
@@ -224,9 +225,18 @@ def _bf16_twin(run):
                               bucket_mb=cfg.sync.bucket_size_mb)
 
 
-def _reduce(run, s: EvalSet, rows: list[dict]) -> dict[str, float]:
+def eval_overrides(d) -> dict[str, Any]:
+    """An eval dataset's sampling knobs (config.EvalDatasetConfig) over the rollout section's: its
+    own temperature and top_p always, the others where set (None: the rollout's)."""
+    return {"temperature": d.temperature, "top_p": d.top_p, "max_new_tokens": d.max_new_tokens or None,
+            "top_k": d.top_k, "min_p": d.min_p, "stop": d.stop, "stop_token_ids": d.stop_token_ids,
+            "repetition_penalty": d.repetition_penalty}
+
+
+def _reduce(run, s: EvalSet, rows: list[dict], failures: list[int]) -> dict[str, float]:
     """Dataset metrics over every DP rank's problems: per-problem scores and per-sample counts
-    summed over the data-parallel group (one all-reduce), the longest response by a max."""
+    summed over the data-parallel group (one all-reduce), the longest response by a max.
+    failures: this rank's [reward errors, reward timeouts], summed too."""
     from megatron_rl.algo.eval_metrics import problem_scores
 
     has_preds = s.extractor is not None or any(p is not None for r in rows for p in r["preds"])
@@ -237,7 +247,7 @@ def _reduce(run, s: EvalSet, rows: list[dict]) -> dict[str, float]:
     samples = [(n, t, g) for r in rows
                for n, t, g in zip(r["lengths"], r["truncated"], r["garbled"] or [False] * len(r["lengths"]))]
     local = [*sums.values(), float(len(rows)), *(float(sum(x[j] for x in samples)) for j in range(3)),
-             float(len(samples)), float(has_preds)]
+             float(len(samples)), *map(float, failures), float(has_preds)]
     total = run.parallel.dp_reducer()(torch.tensor(local, dtype=torch.float64)).tolist()  # DP group
     longest = torch.tensor([max((x[0] for x in samples), default=0)], dtype=torch.float64)
     longest = collectives.all_reduce(longest, run.parallel.dp_group, op="max")  # DP group
@@ -249,6 +259,7 @@ def _reduce(run, s: EvalSet, rows: list[dict]) -> dict[str, float]:
     out["truncated_rate"] = total[len(sums) + 2] / n_samples
     if s.valid_format is not None:
         out["garbled_rate"] = total[len(sums) + 3] / n_samples
+    out["reward_errors"], out["reward_timeouts"] = total[len(sums) + 5], total[len(sums) + 6]
     return out
 
 

@@ -14,6 +14,7 @@ from megatron_rl import collectives
 from megatron_rl.actor.packing import pack_batch, pad_multiple, per_sequence, unpack
 from megatron_rl.data.tasks import get_task
 from megatron_rl.loop.batch import Batch, collate, mini_batches
+from megatron_rl.loop.sampling import response_texts, sampling_params, score_texts
 
 log = logging.getLogger("megatron_rl.loop.phases")
 
@@ -35,14 +36,10 @@ def _shard(prompts: list, parallel) -> list:
 
 
 def _generate_on_engine(run, prompts, step: int, salt: int):
-    from megatron_rl.rollout.base import SamplingParams
-
     r = run.cfg.rollout
     seed = run.cfg.train.seed if r.seed is None else r.seed
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_token_ids=[run.tokenizer.eos_token_id, *r.stop_token_ids],
-                              n=r.n_samples_per_prompt, seed=_step_seed(seed, step, salt),
-                              top_k=r.top_k, min_p=r.min_p, stop=tuple(r.stop))
+    sampling = sampling_params(r, run.tokenizer.eos_token_id, n=r.n_samples_per_prompt,
+                               seed=_step_seed(seed, step, salt))
     return run.engine.generate([p.prompt_ids for p in prompts], sampling)
 
 
@@ -51,15 +48,8 @@ def _score(run, prompts, samples) -> tuple[torch.Tensor, dict[str, float], torch
     and garbled [N] float32 (1.0 where a response fails the built-in task's format check; None for a
     user dataset). The reward's named components ride in the metrics as "reward/<name>" -> [N]
     float32 lists (`generate` averages them over the global batch)."""
-    from megatron_rl.rollout.base import trim_at_stop
-
-    n = run.cfg.rollout.n_samples_per_prompt
-    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    if run.cfg.rollout.stop:  # the engines keep a stop string's tokens; the reward sees the text before it
-        texts = [trim_at_stop(t, run.cfg.rollout.stop) for t in texts]
-    answers = [prompts[i // n].answer for i in range(len(samples))]
-    extras = [prompts[i // n].extra for i in range(len(samples))]
-    rewards, stats = run.rewards.score(texts, answers, extras=extras)
+    texts = response_texts(run.tokenizer, samples, run.cfg.rollout.stop)
+    rewards, stats = score_texts(run.rewards, prompts, texts, run.cfg.rollout.n_samples_per_prompt)
     rewards = torch.tensor(rewards, dtype=torch.float32)  # non-finite results: 0 and counted as errors
     valid = None if run.cfg.data.path else get_task(run.cfg.data.task).valid_format
     garbled = None if valid is None else torch.tensor([float(not valid(t)) for t in texts])
@@ -195,7 +185,6 @@ def _dump_samples(run, step: int, first: "_Round") -> None:
     """log.dump_samples_num samples of the first round on the log rank (its data-parallel shard) as
     the reward saw them (text cut at a stop string), with the advantages of that round. Called on
     every rank: REINFORCE++'s advantages all-reduce over DP."""
-    from megatron_rl.rollout.base import trim_at_stop
     from megatron_rl.telemetry.samples import sample_records, write_samples
 
     lengths = torch.tensor([len(s.response_ids) for s in first.samples], dtype=torch.float32)
@@ -203,11 +192,10 @@ def _dump_samples(run, step: int, first: "_Round") -> None:
     if not run.is_log_rank:
         return
     prompts, samples = first.prompts, first.samples
-    n, stop = run.cfg.rollout.n_samples_per_prompt, run.cfg.rollout.stop
-    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    n = run.cfg.rollout.n_samples_per_prompt
     records = sample_records(
         prompts=[prompts[s.prompt_index].prompt_text for s in samples],
-        responses=[trim_at_stop(t, stop) for t in texts], rewards=first.rewards.tolist(),
+        responses=response_texts(run.tokenizer, samples, run.cfg.rollout.stop), rewards=first.rewards.tolist(),
         advantages=advantages.tolist(), lengths=[len(s.response_ids) for s in samples],
         finish_reasons=[s.finish_reason for s in samples], answers=[prompts[i // n].answer for i in range(len(samples))],
         components={k.removeprefix("reward/"): list(v) for k, v in first.components.items()},

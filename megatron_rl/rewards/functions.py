@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
+from megatron_rl.rewards.dapo import dapo_accuracy, dapo_reward, extracted_or_none
 from megatron_rl.rewards.user import check_signature, is_import_path, load_user_fn
 
 RewardFn = Callable[[str, str], float]
@@ -79,6 +80,8 @@ REWARD_FNS: dict[str, RewardFn] = {
     "position_match": position_match,
     "final_answer": final_answer,
     "math_verify": math_verify_reward,
+    "dapo": dapo_reward,
+    "dapo_accuracy": dapo_accuracy,
 }
 
 
@@ -107,6 +110,8 @@ ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
     "position_match": _stripped,
     "final_answer": _final_integer_text,
     "math_verify": _math_answer,
+    "dapo": extracted_or_none,
+    "dapo_accuracy": extracted_or_none,
 }
 
 

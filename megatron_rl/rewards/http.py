@@ -1,7 +1,7 @@
 """A remote reward: batches POSTed as JSON to an HTTP endpoint, with a timeout and retries.
 
 Request body: {"responses": [str], "answers": [str], "extra": [{column: value}]} (one entry per
-sample, in order). Reply: {"rewards": [float | {"score": float, ...}]} or the bare list, the same
+sample, in order; the loop's extra holds the row's other columns and "prompt", the prompt text). Reply: {"rewards": [float | {"score": float, ...}]} or the bare list, the same
 length. Connection errors, timeouts, HTTP 429 and 5xx are retried `max_retries` times with
 exponential backoff; any other failure (4xx, a malformed reply) raises at once. The RewardRunner
 turns a raise into reward 0 for the batch, counted, as it does for a local reward.

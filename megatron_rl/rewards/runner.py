@@ -1,11 +1,13 @@
-"""Run a reward function in a persistent worker process with a per-call timeout; failures score 0."""
+"""Run a reward function in a pool of persistent worker processes with a per-call timeout; failures score 0."""
 
 from __future__ import annotations
 
 import logging
 import math
 import multiprocessing as mp
-from multiprocessing.connection import Connection
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from megatron_rl.rewards.user import accepted_extras
@@ -14,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGGED_FAILURES = 5  # per score() call; the stats always hold the full counts
 STARTUP_TIMEOUT_S = 120.0  # a worker's start (fork, or spawn's imports) is not the reward function's time
+CHUNKS_PER_WORKER = 4  # per-sample work goes out in ~4 chunks per worker: one slow chunk waits for little
 
 
 def normalize(value: Any) -> tuple[float, dict[str, float], str | None]:
@@ -43,14 +46,16 @@ def _finite(v: Any) -> float:
     return value
 
 
-def _worker_main(fn: Callable, conn: Connection, batched: bool, parent_end: Connection | None = None) -> None:
+def _worker_main(fn: Callable, conn: Connection, batched: bool, parent_end: Any = None) -> None:
     """Score batches [(index, response, answer, extra)] until None arrives or the parent is gone.
     Per-sample: one reply per item, in order; batched: one reply for the whole batch (a list of
-    per-item results). A forked worker inherits the parent's end of the pipe: closed here, or the
-    worker would never read EOF after a SIGKILLed parent and outlive it (orphaned, out of reach of a
-    scheduler that ends a job by its process tree)."""
-    if parent_end is not None:
-        parent_end.close()
+    per-item results). A forked worker inherits the parent's ends of the pipes (its own and those
+    of the pool's other workers): `parent_end` (one or a tuple) is closed here, or the worker would
+    never read EOF after a SIGKILLed parent and outlive it (orphaned, out of reach of a scheduler
+    that ends a job by its process tree)."""
+    for end in parent_end if isinstance(parent_end, tuple) else (parent_end,):
+        if end is not None:
+            end.close()
     try:
         conn.send((-1, "ready", None))  # the parent times the function from here, not the worker's start
     except OSError:  # the parent is gone already
@@ -92,79 +97,128 @@ def _call_batched(fn: Callable, batch: list) -> list[tuple[str, Any]]:
     return out
 
 
+class RewardWorker:
+    """One worker process of the pool and the items it holds: `items` (indices, in the order the
+    worker answers them) and `deadline` (time.monotonic() by which its next message is due).
+
+    A worker starts without blocking the pool: its first work goes into the pipe at once, and until
+    its "ready" message arrives the deadline is STARTUP_TIMEOUT_S, not timeout_s (timeout_s bounds
+    the function, not the start of a worker on a loaded host: a fork can take seconds there, spawn
+    imports the function's module). A pool replacing many timed-out workers restarts them in parallel."""
+
+    def __init__(self, runner: "RewardRunner") -> None:
+        self.runner = runner
+        self.proc: Any = None
+        self.conn: Connection | None = None
+        self.ready = False
+        self.items: deque[int] = deque()
+        self.deadline = 0.0
+
+    def start(self) -> Connection:
+        """The live worker's pipe, starting (or replacing a dead) one first."""
+        if self.proc is None or not self.proc.is_alive():
+            if self.proc is not None:
+                self.kill()
+                self.runner.num_restarts += 1
+            ctx = self.runner._ctx
+            parent_conn, child_conn = ctx.Pipe()
+            inherited = tuple(w.conn for w in self.runner.workers if w.conn is not None)
+            self.proc = ctx.Process(target=_worker_main, daemon=True,
+                                    args=(self.runner.fn, child_conn, self.runner.batched, (parent_conn, *inherited)))
+            self.proc.start()
+            # Close the parent's copy of the child end: otherwise a dead worker never reads as EOF.
+            child_conn.close()
+            self.conn, self.ready = parent_conn, False
+        assert self.conn is not None
+        return self.conn
+
+    def submit(self, items: list[int], payload: list) -> None:
+        self.start().send(payload)
+        self.items = deque(items)
+        self.deadline = time.monotonic() + (self.runner.timeout_s if self.ready else STARTUP_TIMEOUT_S)
+
+    def read(self) -> tuple[str, Any]:
+        """The next message: ("ready", None) | ("ok", result) | ("error", reason) | ("died", reason),
+        the last three for items[0]; RuntimeError naming the reward when the worker died starting."""
+        try:
+            got, status, value = self.conn.recv()
+        except (EOFError, OSError):
+            if not self.ready:
+                self.proc.join(timeout=5.0)
+                self.failed_to_start(f"exited at start-up (exit code {self.proc.exitcode})")
+            return "died", "reward worker process died"
+        self.deadline = time.monotonic() + self.runner.timeout_s
+        if status == "ready":
+            self.ready = True
+            return status, None
+        assert got == self.items[0], f"reward worker replied for item {got}, expected {self.items[0]}"
+        return status, value
+
+    def failed_to_start(self, reason: str) -> None:
+        self.kill()
+        raise RuntimeError(f"reward worker for {self.runner.name} {reason}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join()
+        if self.conn is not None:
+            self.conn.close()
+        self.proc, self.conn, self.ready, self.items = None, None, False, deque()
+
+    def close(self) -> None:
+        """Stop the worker (politely, then by kill after 1 s)."""
+        if self.proc is not None and self.proc.is_alive() and self.conn is not None:
+            try:
+                self.conn.send(None)
+                self.proc.join(timeout=1.0)
+            except (OSError, BrokenPipeError):
+                pass
+        self.kill()
+
+
 class RewardRunner:
-    """Scores (response, answer, extra) triples with `fn` in a worker process.
+    """Scores (response, answer, extra) triples with `fn` in a pool of `num_workers` processes.
 
     An exception (or a non-finite / non-numeric result, or the worker dying) gives reward 0.0 and
     counts in `num_errors`; a call running past `timeout_s` gives 0.0, counts in `num_timeouts`, and
-    the worker is killed and restarted for the remaining items. The worker persists across calls
-    and a batch is one message, so a fast function costs one round trip per item.
+    that worker is killed and restarted for its remaining items. Workers persist across calls and
+    start when first given work. Per-sample work goes out in chunks (about CHUNKS_PER_WORKER per
+    worker, one message each, one reply per item), handed to whichever worker is free, so slow or
+    hanging samples delay only their own chunk: a step's wall time is about its total reward time
+    / num_workers, not the sum.
 
     `batched=True`: `fn(responses, answers, **extra_lists) -> list` scores the whole batch in one
-    call, bounded by `timeout_s`; a raise or a timeout scores every sample of it 0 (counted per sample).
-    Extra columns reach `fn` as keyword arguments: those it names, or all of them when it takes **kwargs.
+    call (a batched function may rely on seeing all of it: group-relative scoring, its own batching
+    to a judge), bounded by `timeout_s`; a raise or a timeout scores every sample 0 (counted per
+    sample). Only per-sample work is spread over the pool. Extra columns reach `fn`
+    as keyword arguments: those it names, or all of them when it takes **kwargs.
 
     `mp_context="fork"` (default) lets closures and lambdas run without pickling and starts a
     worker in milliseconds. Hazard: fork copies only the calling thread, so a reward function must
     not rely on locks or threads of the parent (torch intra-op pools are not used by the worker).
     Use "forkserver" or "spawn" for functions that need a clean interpreter (they must be picklable).
 
-        with RewardRunner(get_reward_fn("exact_match"), timeout_s=5.0) as runner:
+        with RewardRunner(get_reward_fn("exact_match"), timeout_s=5.0, num_workers=4) as runner:
             rewards, stats = runner.score(responses, answers)
     """
 
     def __init__(self, fn: Callable, timeout_s: float = 10.0, mp_context: str = "fork", name: str | None = None,
-                 batched: bool = False):
+                 batched: bool = False, num_workers: int = 1):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if mp_context not in mp.get_all_start_methods():
             raise ValueError(f"mp_context {mp_context!r} not available; choose from {mp.get_all_start_methods()}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.fn = fn
         self.timeout_s = timeout_s
         self.batched = batched
         self.name = name or getattr(fn, "__name__", repr(fn))
         self._extras = accepted_extras(fn)
         self._ctx = mp.get_context(mp_context)
-        self._proc: Any = None
-        self._conn: Connection | None = None
+        self.workers = [RewardWorker(self) for _ in range(num_workers)]
         self.num_restarts = 0  # workers replaced after a timeout or a death
-
-    def _ensure_worker(self) -> Connection:
-        if self._proc is None or not self._proc.is_alive():
-            if self._proc is not None:
-                self._kill_worker()
-                self.num_restarts += 1
-            parent_conn, child_conn = self._ctx.Pipe()
-            self._proc = self._ctx.Process(target=_worker_main, args=(self.fn, child_conn, self.batched, parent_conn),
-                                          daemon=True)
-            self._proc.start()
-            # Close the parent's copy of the child end: otherwise a dead worker never reads as EOF.
-            child_conn.close()
-            self._conn = parent_conn
-            self._wait_ready(parent_conn)
-        assert self._conn is not None
-        return self._conn
-
-    def _wait_ready(self, conn: Connection) -> None:
-        """Wait for the worker's first message: timeout_s bounds the function, not the start of a
-        worker on a loaded host (a fork can take seconds there; spawn imports the function's module)."""
-        try:
-            if conn.poll(STARTUP_TIMEOUT_S) and conn.recv()[1] == "ready":
-                return
-            reason = f"did not start within {STARTUP_TIMEOUT_S:g} s"
-        except (EOFError, OSError):
-            self._proc.join(timeout=5.0)
-            reason = f"exited at start-up (exit code {self._proc.exitcode})"
-        self._kill_worker()
-        raise RuntimeError(f"reward worker for {self.name} {reason}")
-
-    def _kill_worker(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join()
-        if self._conn is not None:
-            self._conn.close()
-        self._proc, self._conn = None, None
 
     def _extra_for_fn(self, extra: dict[str, Any]) -> dict[str, Any]:
         return dict(extra) if self._extras is None else {k: v for k, v in extra.items() if k in self._extras}
@@ -181,57 +235,62 @@ class RewardRunner:
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers"
                              + ("" if extras is None else f" and {len(extras)} extras"))
         extras = [self._extra_for_fn(e) for e in extras] if extras is not None else [{}] * len(responses)
+        payload = [(i, responses[i], answers[i], extras[i]) for i in range(len(responses))]
         results: list[Any] = [None] * len(responses)
         stats: dict[str, Any] = {"num_errors": 0, "num_timeouts": 0}
-        pending = list(range(len(responses)))
-        while pending:
-            conn = self._ensure_worker()
-            conn.send([(i, responses[i], answers[i], extras[i]) for i in pending])
-            collect = self._collect_batched if self.batched else self._collect
-            pending = collect(conn, pending, results, stats)
+        queue = deque(_chunks(len(responses), len(self.workers), self.batched))
+        while queue or any(w.items for w in self.workers):
+            for worker in self.workers:
+                if not worker.items and queue:
+                    items = queue.popleft()
+                    worker.submit(items, [payload[i] for i in items])
+            self._collect(queue, results, stats)
         return _assemble(results, stats)
 
-    def _collect(self, conn: Connection, pending: list[int], results: list[Any], stats: dict[str, Any]) -> list[int]:
-        """Read replies for `pending` in order; after a timeout or a worker death return the rest."""
-        for k, index in enumerate(pending):
-            status, value = self._read(conn, index)
+    def _collect(self, queue: deque, results: list[Any], stats: dict[str, Any]) -> None:
+        """Wait for the next reply (or the first deadline) of the busy workers and take what came."""
+        busy = [w for w in self.workers if w.items]
+        timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+        ready = wait([w.conn for w in busy], timeout=timeout)
+        for worker in busy:
+            if worker.conn in ready:
+                self._take(worker, queue, results, stats)
+            elif time.monotonic() >= worker.deadline and not worker.ready:
+                worker.failed_to_start(f"did not start within {STARTUP_TIMEOUT_S:g} s")
+            elif time.monotonic() >= worker.deadline:
+                self._fail_head(worker, queue, stats, "num_timeouts", f"timed out after {self.timeout_s} s")
+
+    def _take(self, worker: RewardWorker, queue: deque, results: list[Any], stats: dict[str, Any]) -> None:
+        status, value = worker.read()
+        if status == "ready":
+            return
+        if status == "died":
+            self._fail_head(worker, queue, stats, "num_errors", value)
+        elif self.batched:
+            for index, (item_status, item) in zip(worker.items, value):
+                if item_status == "ok":
+                    results[index] = item
+                else:
+                    self._record(stats, "num_errors", index, item)
+            worker.items.clear()
+        else:
+            index = worker.items.popleft()
             if status == "ok":
                 results[index] = value
-                continue
-            self._record(stats, "num_timeouts" if status == "timeout" else "num_errors", index, value)
-            if status in ("timeout", "died"):
-                self._kill_worker()
-                self.num_restarts += 1  # the next send starts a fresh worker
-                return pending[k + 1 :]
-        return []
-
-    def _collect_batched(self, conn: Connection, pending: list[int], results: list[Any],
-                         stats: dict[str, Any]) -> list[int]:
-        """One reply for the batch; a timeout or a death fails all of it (nothing is retried)."""
-        status, value = self._read(conn, pending[0])
-        if status in ("timeout", "died"):
-            for index in pending:
-                self._record(stats, "num_timeouts" if status == "timeout" else "num_errors", index, value)
-            self._kill_worker()
-            self.num_restarts += 1
-            return []
-        for index, (item_status, item) in zip(pending, value):
-            if item_status == "ok":
-                results[index] = item
             else:
-                self._record(stats, "num_errors", index, item)
-        return []
+                self._record(stats, "num_errors", index, value)
 
-    def _read(self, conn: Connection, index: int) -> tuple[str, Any]:
-        """("ok", result) | ("error", reason) | ("timeout", reason) | ("died", reason)."""
-        try:
-            if not conn.poll(self.timeout_s):
-                return "timeout", f"timed out after {self.timeout_s} s"
-            got, status, value = conn.recv()
-        except (EOFError, OSError):
-            return "died", "reward worker process died"
-        assert got == index, f"reward worker replied for item {got}, expected {index}"
-        return status, value
+    def _fail_head(self, worker: RewardWorker, queue: deque, stats: dict[str, Any], key: str, reason: str) -> None:
+        """A timeout or a death: the item being scored fails (batched: the whole batch); the rest of
+        the chunk goes back to the queue's front; the worker is killed (the next submit restarts it)."""
+        failed = list(worker.items) if self.batched else [worker.items[0]]
+        rest = [] if self.batched else list(worker.items)[1:]
+        for index in failed:
+            self._record(stats, key, index, reason)
+        if rest:
+            queue.appendleft(rest)
+        worker.kill()
+        self.num_restarts += 1
 
     def _record(self, stats: dict[str, Any], key: str, index: int, reason: str) -> None:
         stats[key] += 1
@@ -240,14 +299,9 @@ class RewardRunner:
             logger.warning("reward fn %s on item %d scored 0.0: %s", self.name, index, reason)
 
     def close(self) -> None:
-        """Stop the worker (politely, then by kill after 1 s)."""
-        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
-            try:
-                self._conn.send(None)
-                self._proc.join(timeout=1.0)
-            except (OSError, BrokenPipeError):
-                pass
-        self._kill_worker()
+        """Stop every worker (politely, then by kill after 1 s each)."""
+        for worker in self.workers:
+            worker.close()
 
     def __enter__(self) -> "RewardRunner":
         return self
@@ -260,6 +314,14 @@ class RewardRunner:
             self.close()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
+
+
+def _chunks(count: int, num_workers: int, batched: bool) -> list[list[int]]:
+    """Item indices in submission order: batched, the whole batch; per sample, about
+    CHUNKS_PER_WORKER chunks per worker (one chunk with one worker, as a single process)."""
+    parts = 1 if batched or num_workers == 1 else num_workers * CHUNKS_PER_WORKER
+    size = max(1, math.ceil(count / parts))
+    return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
 
 
 def _assemble(results: list[Any], stats: dict[str, Any]) -> tuple[list[float], dict[str, Any]]:

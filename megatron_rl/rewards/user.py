@@ -64,13 +64,21 @@ def _load_file(path: str, spec: str):
 
 
 def check_signature(fn: Callable, spec: str, batched: bool) -> None:
-    """ValueError unless `fn` takes (response, answer) positionally (lists of them when batched)."""
+    """ValueError unless `fn` takes (response, answer) positionally (lists of them when batched) and
+    every other parameter it requires can be passed by keyword: a dataset column or `prompt`
+    (`def score(response, answer, data_source)`; a row without the column is a counted error)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins and C callables: nothing to check before the first call
     try:
-        signature.bind("response", "answer")
+        bound = signature.bind_partial("response", "answer")
+        if len(bound.arguments) < 2:
+            raise TypeError("it takes fewer than two positional arguments")
+        by_position = [p.name for p in signature.parameters.values() if p.name not in bound.arguments
+                       and p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+        if by_position:
+            raise TypeError(f"required positional-only {by_position}")
     except TypeError as err:
         shape = "(responses, answers, **extra) -> list" if batched else "(response, answer, **extra) -> float | dict"
         raise ValueError(f"reward {spec!r}: a reward takes {shape}; {fn.__name__}{signature} does not ({err})") from None

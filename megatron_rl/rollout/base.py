@@ -21,6 +21,10 @@ class SamplingParams:
     ignore_eos: False adds the model config's eos_token_id to the stop set, as SGLang does.
     n: samples per prompt.
     seed: None continues the engine's own generator; an int makes the call reproducible alone.
+    repetition_penalty: > 0; 1 disables it. A token the sample has generated already has its logit
+        divided by it (multiplied when negative) before the temperature, as SGLang's
+        BatchedRepetitionPenalizer (srt/sampling/penaltylib/repetition_penalty.py): prompt tokens are
+        not penalised, and the returned log-probs are those of the penalised distribution.
     """
 
     temperature: float = 1.0
@@ -33,6 +37,7 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     stop: tuple[str, ...] | list[str] = field(default_factory=tuple)
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -47,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 def trim_at_stop(text: str, stop: tuple[str, ...] | list[str]) -> str:

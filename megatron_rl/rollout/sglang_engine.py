@@ -395,6 +395,8 @@ def row_sampling_params(row, sampling: SamplingParams) -> dict:
         p["top_k"] = sampling.top_k
     if sampling.min_p:
         p["min_p"] = sampling.min_p
+    if sampling.repetition_penalty != 1.0:
+        p["repetition_penalty"] = sampling.repetition_penalty
     if sampling.stop:  # SGLang trims the text only; output_ids keep the stop string's tokens
         p["stop"] = list(sampling.stop)
     # Distinct per row, else the n replicas would be identical. SGLang uses it only under

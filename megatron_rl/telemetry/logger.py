@@ -6,23 +6,28 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 PROGRESS_KEYS = (("reward/mean", "reward"), ("entropy", "ent"), ("clip/low_neg", "clip-"),
-                 ("calib/low", "L"), ("calib/high", "H"))
+                 ("calib/low", "L"), ("calib/high", "H"), ("reward/errors", "rerr"), ("reward/timeouts", "rtmo"))
 # The per-step line when the progress bar is off (a Slurm log): key, label, format.
 LINE_KEYS = (("reward/mean", "reward", ".4g"), ("reward/accuracy", "acc", ".3g"), ("entropy", "ent", ".4g"),
              ("response_length/mean", "len", ".1f"), ("response_length/clip_ratio", "trunc", ".3g"),
              ("clip/low_neg", "clip-", ".3g"), ("calib/low", "L", ".4g"), ("calib/high", "H", ".4g"),
-             ("grad_norm", "gnorm", ".3g"), ("lr", "lr", ".3g"), ("time/step", "s", ".1f"))
+             ("grad_norm", "gnorm", ".3g"), ("lr", "lr", ".3g"), ("time/step", "s", ".1f"),
+             ("reward/errors", "rerr", ".0f"), ("reward/timeouts", "rtmo", ".0f"))
+# The eval metrics put on the console when a step has them: the scores and the reward failures.
+EVAL_LINE_KEY = re.compile(r"eval/.+/((avg|pass|maj)@[0-9]+|reward_errors|reward_timeouts)")
 
 log = logging.getLogger("megatron_rl.telemetry")
 
 
 def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
-    """`step 3/40 reward 0.4 ent 0.31 ...`: the metrics of LINE_KEYS that the step has."""
-    parts = [f"step {step + 1}/{total}" if total else f"step {step + 1}"]
+    """`step 3/40 reward 0.4 ent 0.31 ...`: the metrics of LINE_KEYS that the step has. Steps are
+    numbered from 0, as in metrics.jsonl and the sample dumps (the last is total - 1)."""
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
     for key, label, fmt in LINE_KEYS:
         value = metrics.get(key)
         if value is not None and math.isfinite(value):
@@ -30,6 +35,13 @@ def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
     if metrics.get("step/skipped"):
         parts.append("(skipped)")
     return " ".join(parts)
+
+
+def eval_line(step: int, metrics: dict[str, Any]) -> str | None:
+    """`eval at step 3: heldout/avg@4 0.5 heldout/pass@4 0.75 ...` (EVAL_LINE_KEY), None without any."""
+    parts = [f"{key.removeprefix('eval/')} {value:.4g}" for key, value in sorted(metrics.items())
+             if EVAL_LINE_KEY.fullmatch(key) and value is not None and math.isfinite(value)]
+    return f"eval at step {step}: " + " ".join(parts) if parts else None
 
 
 class MetricsLogger:
@@ -86,6 +98,9 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+        scores = eval_line(step, metrics)
+        if scores is not None:
+            log.info("%s", scores)
         if self._bar is None:
             log.info("%s", step_line(step, self.total_steps, metrics))
         else:

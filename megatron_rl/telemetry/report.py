@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from megatron_rl.telemetry.plotting import plot_runs
@@ -27,8 +28,6 @@ FIGURES = {
 TABLE = (
     ("reward first", "reward/mean", "first"),
     ("reward last", "reward/mean", "last"),
-    ("held-out first", "eval/heldout/avg@4", "first"),  # examples/reproduce: before step 0
-    ("held-out last", "eval/heldout/avg@4", "last"),  # after the last step (eval.at_end)
     ("entropy last", "entropy", "last"),
     ("entropy max", "entropy", "max"),
     ("resp len last", "response_length/mean", "last"),
@@ -67,6 +66,28 @@ def reduce_column(records: list[dict], key: str, how: str) -> float:
     return sum(vals) / len(vals)
 
 
+_EVAL_KEY = re.compile(r"eval/([^/]+)/((avg|pass|maj)@([0-9]+))")  # the rollout-precision scores
+_KIND_ORDER = {"avg": 0, "pass": 1, "maj": 2}
+
+
+def eval_columns(runs: dict[str, list[dict]]) -> list[tuple[str, str, str]]:
+    """(title, key, reduction) of the held-out columns: for every eval dataset the runs log (named
+    as configured in eval.datasets), its headline metric (the first avg@k, else pass@k, else maj@k)
+    at the first evaluation (eval.at_start: before any update) and the last (eval.at_end)."""
+    metrics: dict[str, set[tuple[int, int, str]]] = {}
+    for records in runs.values():
+        for key in {k for r in records for k in r}:
+            match = _EVAL_KEY.fullmatch(key)
+            if match:
+                name, metric, kind, k = match.groups()
+                metrics.setdefault(name, set()).add((_KIND_ORDER[kind], int(k), metric))
+    columns = []
+    for name in sorted(metrics):
+        metric = min(metrics[name])[2]
+        columns += [(f"{name} {metric} {how}", f"eval/{name}/{metric}", how) for how in ("first", "last")]
+    return columns
+
+
 # Health columns (docs/health.md), after TABLE's: surge step, garbled rate last quarter, max rise.
 HEALTH_TITLES = ("surge step", "garbled rate, last quarter", "max entropy rise")
 
@@ -84,13 +105,15 @@ def _number(value: float) -> str:
 
 
 def summary_table(runs: dict[str, list[dict]]) -> str:
-    """Markdown table, one row per run; empty cells where a run does not log the metric."""
-    titles = [t for t, _, _ in TABLE] + list(HEALTH_TITLES)
+    """Markdown table, one row per run; empty cells where a run does not log the metric. The
+    held-out columns follow the training reward's."""
+    table = [*TABLE[:2], *eval_columns(runs), *TABLE[2:]]
+    titles = [t for t, _, _ in table] + list(HEALTH_TITLES)
     head = "| run | " + " | ".join(titles) + " |"
     rule = "|---" * (len(titles) + 1) + "|"
     rows = [head, rule]
     for name, records in runs.items():
-        cells = [_number(reduce_column(records, key, how)) for _, key, how in TABLE]
+        cells = [_number(reduce_column(records, key, how)) for _, key, how in table]
         cells += [surge_step_cell(records), _number(reduce_column(records, "health/garbled_rate", "last")),
                   _number(reduce_column(records, "health/entropy_rise", "max"))]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")

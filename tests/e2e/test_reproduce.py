@@ -37,7 +37,7 @@ def test_harness_writes_a_report_with_finite_numbers(tmp_path):
         assert (tmp_path / "report" / png).stat().st_size > 1000
     head = next(line for line in md.splitlines() if line.startswith("| run |")).strip("|").split("|")
     row = next(line for line in md.splitlines() if line.startswith("| bf16 ")).strip("|").split("|")
-    for title in ("held-out first", "held-out last"):  # held-out accuracy next to the training reward
+    for title in ("heldout avg@4 first", "heldout avg@4 last"):  # held-out accuracy next to the training reward
         assert 0.0 <= float(row[[h.strip() for h in head].index(title)]) <= 1.0, title
 
 

@@ -82,7 +82,7 @@ def test_step_line_when_the_progress_bar_is_off(root, caplog):
                           "data.num_epochs=1")
     lines = [r.getMessage() for r in caplog.records if r.name == "megatron_rl.telemetry"]
     assert len(trace.steps) == 1 and trace.cfg.train.num_steps == 1  # 4 prompts, 4 per step: one epoch
-    assert len(lines) == 1 and lines[0].startswith("step 1/1 reward ")
+    assert len(lines) == 1 and lines[0].startswith("step 0/1 reward ")
     assert f"reward {trace.steps[0].metrics['reward/mean']:.4g}" in lines[0]
 
 

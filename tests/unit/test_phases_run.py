@@ -802,3 +802,20 @@ def test_the_reward_gets_each_prompts_extra_dataset_columns(make_run):
     samples = [Sample(i // N, list(prompts[i // N].prompt_ids), [5], [0.0], "stop") for i in range(2 * N)]
     rewards, _, _ = phases._score(run, prompts, samples)
     assert rewards.tolist() == [0.25] * N + [0.5] * N  # each response gets its own prompt's column
+
+
+def _prompt_length(response: str, answer: str, prompt: str) -> float:
+    return float(len(prompt))
+
+
+def test_the_training_reward_gets_each_samples_prompt(make_run):
+    register_reward_fn("test_phases_run_prompt", _prompt_length)
+    run = make_run("reward.name=test_phases_run_prompt", sync=False)
+    batch = run.loader.next_batch()
+    first = batch[0]
+    other = next(p for p in batch if len(p.prompt_text) != len(first.prompt_text))  # tells the two apart
+    prompts = [first, other]
+    samples = [Sample(i // N, list(prompts[i // N].prompt_ids), [5], [0.0], "stop") for i in range(2 * N)]
+    rewards, metrics, _ = phases._score(run, prompts, samples)
+    assert rewards.tolist() == [float(len(first.prompt_text))] * N + [float(len(other.prompt_text))] * N
+    assert metrics["reward/errors"] == 0.0

@@ -54,3 +54,25 @@ def test_claims_table_averages_seeds_per_variant():
     row = next(line for line in table.splitlines() if "false lower-clip rate" in line)
     assert row.split("|")[3].strip() == "0.4"  # mean of seed means (0.2, 0.6)
     assert row.split("|")[4].strip() == ""  # bf16 logs no shadow metrics
+
+
+def test_held_out_columns_come_from_the_eval_names_the_runs_log():
+    from megatron_rl.telemetry.report import eval_columns
+
+    a = [{"step": 0, "reward/mean": 0.1, "eval/aime24/avg@32": 0.2, "eval/aime24/pass@32": 0.5,
+          "eval/aime24/bf16/avg@32": 0.9, "eval/math500/pass@4": 0.4, "eval/math500/maj@4": 0.3},
+         {"step": 1, "reward/mean": 0.2},
+         {"step": 2, "reward/mean": 0.3, "eval/aime24/avg@32": 0.4, "eval/math500/pass@4": 0.6}]
+    b = [{"step": 0, "reward/mean": 0.1, "eval/gsm8k/avg@1": 0.7}]
+    assert eval_columns({"a": a, "b": b}) == [
+        ("aime24 avg@32 first", "eval/aime24/avg@32", "first"), ("aime24 avg@32 last", "eval/aime24/avg@32", "last"),
+        ("gsm8k avg@1 first", "eval/gsm8k/avg@1", "first"), ("gsm8k avg@1 last", "eval/gsm8k/avg@1", "last"),
+        ("math500 pass@4 first", "eval/math500/pass@4", "first"), ("math500 pass@4 last", "eval/math500/pass@4", "last")]
+    lines = summary_table({"a": a, "b": b}).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[1:9] == ["reward first", "reward last", "aime24 avg@32 first", "aime24 avg@32 last", "gsm8k avg@1 first",
+                         "gsm8k avg@1 last", "math500 pass@4 first", "math500 pass@4 last"]
+    row_a = [c.strip() for c in lines[2].strip("|").split("|")]
+    row_b = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert row_a[3:9] == ["0.2", "0.4", "", "", "0.4", "0.6"]  # "last" = the last quarter of the evaluations: one
+    assert row_b[3:9] == ["", "", "0.7", "0.7", "", ""]

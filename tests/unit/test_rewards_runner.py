@@ -126,7 +126,7 @@ def test_worker_ends_when_its_parent_is_killed():
         "from megatron_rl.rewards import RewardRunner, exact_match\n"
         "r = RewardRunner(exact_match, timeout_s=60.0)\n"
         "r.score(['a'], ['a'])\n"
-        "print(r._proc.pid, flush=True)\n"
+        "print(r.workers[0].proc.pid, flush=True)\n"
         "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     worker = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)

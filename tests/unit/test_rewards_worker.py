@@ -163,14 +163,14 @@ def test_only_the_extras_the_function_names_reach_it():
 def test_the_worker_persists_and_a_dead_one_is_replaced_once(caplog):
     with RewardRunner(scored, timeout_s=60.0) as runner:
         runner.score(["a"], ["a"])
-        first = runner._proc
+        first = runner.workers[0].proc
         runner.score(["b"], ["b"])
-        assert runner._proc is first and runner.num_restarts == 0  # one worker across calls
+        assert runner.workers[0].proc is first and runner.num_restarts == 0  # one worker across calls
         first.kill()
         first.join()
         assert runner.score(["c"], ["c"])[0] == [1.0]
-        assert runner._proc is not first and runner._proc.is_alive() and runner.num_restarts == 1
-    assert runner._proc is None and runner._conn is None
+        assert runner.workers[0].proc is not first and runner.workers[0].proc.is_alive() and runner.num_restarts == 1
+    assert runner.workers[0].proc is None and runner.workers[0].conn is None
 
 
 def test_only_the_first_failures_are_logged_but_all_are_counted(caplog):
@@ -193,7 +193,7 @@ def test_a_batched_timeout_scores_every_item_zero_and_restarts_the_worker():
     with RewardRunner(slow, timeout_s=0.3, batched=True) as runner:
         rewards, stats = runner.score(["a", "b", "c"], ["a", "b", "c"])
         assert rewards == [0.0, 0.0, 0.0] and stats == {"num_errors": 0, "num_timeouts": 3}
-        assert runner.num_restarts == 1 and runner._proc is None
+        assert runner.num_restarts == 1 and runner.workers[0].proc is None
 
 
 def test_non_numbers_in_a_reward_dict_are_not_components():
@@ -277,7 +277,7 @@ def test_a_batched_timeout_logs_only_the_first_failures():
 def test_close_stops_the_worker_politely():
     with RewardRunner(scored, timeout_s=60.0) as runner:
         runner.score(["a"], ["a"])
-        worker = runner._proc
+        worker = runner.workers[0].proc
     assert worker.exitcode == 0  # it read the stop message and returned; not killed
 
 
@@ -285,8 +285,8 @@ def test_close_does_not_wait_for_a_busy_worker():
     """close() asks the worker to stop, and kills it when it does not within 1 s (a function still
     running after an interrupted score())."""
     runner = RewardRunner(lambda r, a: time.sleep(120), timeout_s=60.0)
-    runner._ensure_worker().send([(0, "x", "x", {})])
-    worker = runner._proc
+    runner.workers[0].start().send([(0, "x", "x", {})])
+    worker = runner.workers[0].proc
     start = time.monotonic()
     runner.close()
     assert time.monotonic() - start < 60  # not the function's 120 s
@@ -309,6 +309,6 @@ def test_a_worker_found_dead_between_calls_is_replaced_each_time():
     with RewardRunner(scored, timeout_s=60.0) as runner:
         for deaths in (1, 2):
             runner.score(["a"], ["a"])
-            runner._proc.kill()
-            runner._proc.join()
+            runner.workers[0].proc.kill()
+            runner.workers[0].proc.join()
             assert runner.score(["b"], ["b"])[0] == [1.0] and runner.num_restarts == deaths

@@ -63,8 +63,8 @@ def test_offline_run_has_the_tensorboard_keys(tmp_path, monkeypatch):
 def test_step_line():
     line = step_line(2, 40, {"reward/mean": 0.41234, "entropy": 0.3, "response_length/mean": 12.25,
                              "response_length/clip_ratio": 0.125, "time/step": 3.04, "calib/high": float("inf")})
-    assert line == "step 3/40 reward 0.4123 ent 0.3 len 12.2 trunc 0.125 s 3.0"
-    assert step_line(0, 0, {"step/skipped": 1.0}) == "step 1 (skipped)"
+    assert line == "step 2/40 reward 0.4123 ent 0.3 len 12.2 trunc 0.125 s 3.0"
+    assert step_line(0, 0, {"step/skipped": 1.0}) == "step 0 (skipped)"
 
 
 def test_missing_wandb_is_a_config_error(monkeypatch):
