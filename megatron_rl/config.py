@@ -275,7 +275,10 @@ class DataConfig:
     """Prompt dataset (.jsonl or .parquet)."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    max_prompt_len: int = 64
+    max_prompt_len: int = 1024
+    """Prompt length cap in tokens (after the chat template); longer rows are skipped and counted, with
+    a warning naming the longest. Sizes the memory plan with rollout.max_new_tokens. verl's
+    data.max_prompt_length, slime's --rollout-max-prompt-len."""
     num_examples: int = 4096
     """Built-in tasks: how many prompts to generate."""
     prompts_per_step: int = 16
@@ -417,7 +420,16 @@ class CheckpointConfig:
     save_every: int = 0
     """Steps between checkpoints (0 = only at the end when `save_final`)."""
     save_final: bool = True
-    resume: bool = False
+    resume: bool | str = "auto"
+    """What a launch does with a log.dir that already holds a run (its config.yaml, metrics or
+    checkpoints; loop/run_folder.py): auto = resume it from its latest checkpoint when its saved
+    config is compatible (same model, precision, algorithm, data and reward: RUN_IDENTITY there), else
+    refuse naming what differs; true (`--resume`) = the same, but refuse a folder without a checkpoint;
+    false = always start afresh, so a folder holding a run is refused. verl's trainer.resume_mode
+    (auto | disable)."""
+    overwrite: bool = False
+    """`--overwrite`: delete the run in log.dir (metrics, checkpoints with latest / best, config,
+    samples, exports) and start afresh. Never with resume=true."""
     async_save: bool = False
     """Write the model/optimizer checkpoint in a background process (Megatron's async save); it
     is published (renamed, `latest` moved) once written everywhere, always before the next save
@@ -549,7 +561,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
+        for option in inner[:-1]:  # `bool | str`: the first type the value fits
+            try:
+                return _coerce(value, option, key)
+            except ValueError:
+                pass
+        return _coerce(value, inner[-1], key)
     if tp is Any:
         return value
     if origin is dict:
@@ -661,14 +678,23 @@ def validate(cfg: RunConfig) -> RunConfig:
     _validate_data(cfg.data)
     _validate_sampling(cfg)
     _validate_log(cfg.log)
-    for key in ("keep_last", "save_hf_every"):
-        if getattr(cfg.checkpoint, key) < 0:
-            raise ValueError(f"config key 'checkpoint.{key}': must be >= 0, got {getattr(cfg.checkpoint, key)}")
+    _validate_checkpoint(cfg.checkpoint)
     _validate_optimizer(cfg.train)
     _validate_reference(cfg)
     _validate_refill(cfg.algo)
     _validate_host_wait(cfg)
     return cfg
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    for key in ("keep_last", "save_hf_every"):
+        if getattr(c, key) < 0:
+            raise ValueError(f"config key 'checkpoint.{key}': must be >= 0, got {getattr(c, key)}")
+    if c.resume not in (True, False, "auto"):
+        raise ValueError(f"config key 'checkpoint.resume': expected auto, true or false, got {c.resume!r}")
+    if c.overwrite and c.resume is True:
+        raise ValueError("config key 'checkpoint.overwrite': deletes the run that checkpoint.resume=true "
+                         "(--resume) asks to continue; give one of them")
 
 
 def _validate_log(log: LogConfig) -> None:
