@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.num_steps=10")
     train.add_argument("--resume", action="store_true",
-                       help="continue the run in log.dir from its latest checkpoint; refused when there is "
-                            "none (default: checkpoint.resume=auto resumes a compatible run, starts a new one)")
+                       help="continue the run in log.dir from its latest checkpoint (checkpoint.resume=true; "
+                            "the default, auto, does the same and starts a run where there is none)")
     train.add_argument("--overwrite", action="store_true",
                        help="delete the run in log.dir (metrics, checkpoints, config) and start afresh")
     _add_plan_parser(sub)

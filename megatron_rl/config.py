@@ -424,9 +424,9 @@ class CheckpointConfig:
     """What a launch does with a log.dir that already holds a run (its config.yaml, metrics or
     checkpoints; loop/run_folder.py): auto = resume it from its latest checkpoint when its saved
     config is compatible (same model, precision, algorithm, data and reward: RUN_IDENTITY there), else
-    refuse naming what differs; true (`--resume`) = the same, but refuse a folder without a checkpoint;
-    false = always start afresh, so a folder holding a run is refused. verl's trainer.resume_mode
-    (auto | disable)."""
+    refuse naming what differs; a folder without a run starts one. true (`--resume`) = the same, with
+    a warning when there is nothing to resume. false = always start afresh, so a folder holding a run
+    is refused. verl's trainer.resume_mode (auto | disable)."""
     overwrite: bool = False
     """`--overwrite`: delete the run in log.dir (metrics, checkpoints with latest / best, config,
     samples, exports) and start afresh. Never with resume=true."""

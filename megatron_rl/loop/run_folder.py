@@ -3,11 +3,10 @@
 A folder holds a run when it has a config.yaml, a non-empty metrics.jsonl or a checkpoints folder.
 `checkpoint.resume`:
 
-- auto (default): resume the run from its latest checkpoint when its saved config.yaml agrees
-  with this launch on RUN_IDENTITY (a run without a checkpoint restarts from step 0 in place);
-  refuse, naming each key that differs, when it does not.
-- true (`--resume`): the same, but a folder without a checkpoint is refused (nothing to resume:
-  a wrong log.dir?).
+- auto (default) or true (`--resume`, older recipes): resume the run from its latest checkpoint
+  when its saved config.yaml agrees with this launch on RUN_IDENTITY (a run without a checkpoint
+  restarts from step 0 in place); refuse, naming each key that differs, when it does not. A folder
+  without a run starts one (true: with a warning, in case log.dir is mistyped).
 - false: start afresh; a folder holding a run is refused.
 
 `checkpoint.overwrite` (`--overwrite`) deletes the old run's files (RUN_FILES) first, so nothing
@@ -54,12 +53,6 @@ def holds_run(log_dir: Path) -> bool:
             or (metrics.is_file() and metrics.stat().st_size > 0))
 
 
-def latest_checkpoint(log_dir: Path) -> int:
-    marker = log_dir / "checkpoints" / "latest"
-    text = marker.read_text().strip() if marker.is_file() else ""
-    return int(text) if text.isdigit() else 0
-
-
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {prefix: tree}
@@ -87,8 +80,7 @@ def decide(cfg: RunConfig) -> str:
     c, log_dir = cfg.checkpoint, Path(cfg.log.dir)
     if not holds_run(log_dir):
         if c.resume is True:
-            raise ValueError(f"config key 'checkpoint.resume': true (--resume), but log.dir {log_dir} "
-                             "holds no run to resume")
+            log.warning("checkpoint.resume=true: log.dir %s holds no run to resume; starting one", log_dir)
         return "start"
     if c.overwrite:
         return "overwrite"
@@ -100,9 +92,6 @@ def decide(cfg: RunConfig) -> str:
     if diff:
         raise ValueError(f"log.dir {log_dir} holds another run (its config.yaml differs: {'; '.join(diff)}); "
                          f"{hint}")
-    if c.resume is True and not latest_checkpoint(log_dir):
-        raise ValueError(f"config key 'checkpoint.resume': true (--resume), but log.dir {log_dir} holds "
-                         "no checkpoint (checkpoints/latest) to resume from")
     return "resume"
 
 

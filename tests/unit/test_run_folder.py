@@ -34,15 +34,10 @@ def test_resume_defaults_to_auto_and_takes_true_false_or_auto():
         load_config(None, ["checkpoint.resume=true", "checkpoint.overwrite=true"])
 
 
-@pytest.mark.parametrize("resume, action", [("auto", "start"), ("false", "start"), ("true", None)])
-def test_an_empty_or_missing_folder_starts_a_run(tmp_path, resume, action):
+@pytest.mark.parametrize("resume", ["auto", "false", "true"])
+def test_an_empty_or_missing_folder_starts_a_run(tmp_path, resume):
     for log_dir in (tmp_path / "absent", tmp_path):  # tmp_path exists, empty
-        cfg = _cfg(log_dir, f"checkpoint.resume={resume}")
-        if action is None:
-            with pytest.raises(ValueError, match="holds no run to resume"):
-                run_folder.decide(cfg)
-        else:
-            assert run_folder.decide(cfg) == action
+        assert run_folder.decide(_cfg(log_dir, f"checkpoint.resume={resume}")) == "start"
 
 
 def test_a_compatible_run_resumes_whatever_else_changed(tmp_path):
@@ -54,11 +49,10 @@ def test_a_compatible_run_resumes_whatever_else_changed(tmp_path):
     assert resolved.checkpoint.resume is True and (log_dir / "config.yaml").exists()
 
 
-def test_a_run_without_a_checkpoint_restarts_in_place_unless_resume_is_true(tmp_path):
+def test_a_run_without_a_checkpoint_restarts_in_place(tmp_path):
     log_dir = _saved_run(tmp_path / "run", latest=None)
-    assert run_folder.decide(_cfg(log_dir)) == "resume"  # auto: from step 0 (build_run finds no checkpoint)
-    with pytest.raises(ValueError, match=r"'checkpoint.resume': true .*holds no checkpoint"):
-        run_folder.decide(_cfg(log_dir, "checkpoint.resume=true"))
+    for resume in ("auto", "true"):  # from step 0: build_run finds no checkpoint
+        assert run_folder.decide(_cfg(log_dir, f"checkpoint.resume={resume}")) == "resume"
 
 
 @pytest.mark.parametrize("overrides, named", [
