@@ -66,7 +66,12 @@ def has_chat_template(folder: Path) -> bool:
     if (folder / CHAT_TEMPLATE_FILE).is_file() or any((folder / CHAT_TEMPLATE_DIR).glob("*.jinja")):
         return True
     config = folder / "tokenizer_config.json"
-    return config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config key 'model.hf_dir': {config} is not JSON ({err})") from None
 
 
 def _check_model_files(cfg: RunConfig) -> None:

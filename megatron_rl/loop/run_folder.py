@@ -114,9 +114,9 @@ def clear_run(log_dir: Path) -> list[str]:
 def prepare_log_dir(cfg: RunConfig, rank: int) -> RunConfig:
     """Apply the decision for cfg.log.dir: rank 0 clears an overwritten run. Returns cfg with
     checkpoint.resume resolved to true or false (what build_run and the checkpointer read).
-    Collective-free: every rank decides from the files before rank 0 deletes anything; a rank that
-    reads after the deletion sees no run and starts afresh, as the others do. build_run's first
-    barrier (the model folder) keeps every rank from writing into log.dir before rank 0 is done."""
+    Collective-free, before the process group exists: a rank that reads after rank 0's deletion sees
+    no run and starts afresh, as the others do; nothing writes into log.dir before init_parallel,
+    a rendezvous of every rank, so no rank reads the new run's files as an old run."""
     action = decide(cfg)
     if action == "overwrite" and rank == 0:
         log.warning("checkpoint.overwrite: deleted the run in %s (%s)", cfg.log.dir,

@@ -127,6 +127,14 @@ def test_a_chat_template_asked_for_must_exist(run_until_build, tmp_path):
         run_until_build(f"model.hf_dir={chat}", "data.chat_template=true")
 
 
+def test_megatron_rl_eval_checks_its_files_before_the_build(run_until_build, tmp_path, capsys):
+    from megatron_rl.cli import main
+
+    ds = "eval.datasets=" + json.dumps([{"name": "h", "path": f"{tmp_path}/aime.jsonl"}])
+    assert main(["eval", str(ROOT / "examples/tiny/bf16.yaml"), ds, f"log.dir={tmp_path}/run"]) == 2
+    assert f"config key 'eval.datasets[0].path': no such file {tmp_path}/aime.jsonl" in capsys.readouterr().err
+
+
 def test_a_model_folder_without_a_loadable_tokenizer_is_refused(run_until_build, tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()
