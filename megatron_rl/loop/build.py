@@ -52,7 +52,7 @@ class Run:
         return self.parallel.rank == 0
 
     def resume_step(self) -> int:
-        if self.cfg.checkpoint.resume is not True:  # train.prepare resolved `auto` (loop/run_folder.py)
+        if self.cfg.checkpoint.resume is not True:  # preflight.prepare_run resolved `auto` (run_folder.py)
             return 0
         return self.checkpointer.load_latest(self)
 
