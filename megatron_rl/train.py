@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl import collectives
-from megatron_rl.loop import build, evaluate, phases, preflight, signals
+from megatron_rl.loop import build, evaluate, phases, preflight, run_folder, signals
 from megatron_rl.loop.best import BestCheckpoint
 from megatron_rl.loop.colocated import ColocatedMemory
 from megatron_rl.config import RunConfig, load_config
@@ -34,6 +34,12 @@ def run(cfg: RunConfig, prepared: bool = False) -> dict[str, float]:
 
 
 def _train(cfg: RunConfig) -> dict[str, float]:
+    done = run_folder.finished_steps(cfg)
+    if done is not None:  # a relaunch of a finished run: nothing to build (servers take minutes)
+        if os.environ.get("RANK", "0") == "0":
+            log.warning("the run in %s has done %d steps, train.num_steps=%d: nothing to train (raise "
+                        "train.num_steps to continue it, or pass --overwrite)", cfg.log.dir, done, cfg.train.num_steps)
+        return {}
     planned = check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
     if planned is not None:
         log.info("memory plan: peak %.1f of %.0f GB per GPU", planned["peak_gb_per_gpu"], planned["gpu_mem_gb"])
@@ -50,9 +56,6 @@ def _train(cfg: RunConfig) -> dict[str, float]:
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
         evaluator, best = evaluate.Evaluator.build(run_), _best_checkpoint(run_)  # bad eval data: before any work
         start = run_.resume_step()
-        if start >= cfg.train.num_steps and run_.is_log_rank:
-            log.warning("the run in %s has done its %d steps: nothing to train (raise train.num_steps to "
-                        "continue it, or pass --overwrite to start afresh)", cfg.log.dir, start)
         if start == 0:  # a resumed run's checkpoint holds the planted weights already
             run_.plant_outliers()
         detector = _surge_detector(run_)

@@ -53,6 +53,14 @@ def holds_run(log_dir: Path) -> bool:
             or (metrics.is_file() and metrics.stat().st_size > 0))
 
 
+def finished_steps(cfg: RunConfig) -> int | None:
+    """The steps a resumed run has done when they reach train.num_steps (nothing left to train),
+    else None. Call with checkpoint.resume resolved (prepare_log_dir)."""
+    marker = Path(cfg.log.dir) / "checkpoints" / "latest"
+    text = marker.read_text().strip() if cfg.checkpoint.resume is True and marker.is_file() else ""
+    return int(text) if text.isdigit() and int(text) >= cfg.train.num_steps else None
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {prefix: tree}

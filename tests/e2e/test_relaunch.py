@@ -65,6 +65,13 @@ def test_another_recipe_is_refused_and_changes_nothing(finished, tmp_path, capsy
     assert _files(log_dir) == before  # config.yaml, metrics, checkpoints, latest and best untouched
 
 
+def test_a_relaunch_of_the_finished_run_changes_nothing(finished, tmp_path):
+    log_dir = Path(shutil.copytree(finished, tmp_path / "run"))
+    before = _files(log_dir)
+    assert _train(log_dir, "fp8_calibrated.yaml", "train.num_steps=2") == 0
+    assert _files(log_dir) == before
+
+
 def test_the_same_recipe_resumes_the_run_and_keeps_its_lines(finished):
     log_dir = _copy(finished, "resumed")
     old_lines = (log_dir / "metrics.jsonl").read_text().splitlines()
