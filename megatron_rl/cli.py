@@ -11,7 +11,8 @@ from megatron_rl.config import dump_config, load_config
 EPILOG = """examples:
   megatron-rl train examples/tiny/fp8_calibrated.yaml
   megatron-rl train examples/tiny/bf16.yaml train.num_steps=10 log.dir=runs/bf16
-  megatron-rl train examples/tiny/fp8_calibrated.yaml --resume train.num_steps=80
+  megatron-rl train examples/tiny/fp8_calibrated.yaml train.num_steps=80   # continues its run in log.dir
+  megatron-rl train examples/tiny/fp8_calibrated.yaml --overwrite          # deletes it and starts afresh
   megatron-rl eval examples/tiny/fp8_calibrated.yaml --checkpoint runs/tiny_fp8_calibrated/checkpoints
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
   megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 rollout.max_new_tokens=8192 --gpu-mem-gb 80
@@ -30,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="YAML config file (see examples/)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.num_steps=10")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in log.dir from its latest checkpoint (checkpoint.resume=true; "
+                            "the default, auto, does the same and starts a run where there is none)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="delete the run in log.dir (metrics, checkpoints, config) and start afresh")
     _add_plan_parser(sub)
     _add_eval_parser(sub)
     _add_config_parser(sub)
@@ -94,8 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from megatron_rl.cluster.plan import main as plan_main
             return plan_main(args)
-        overrides = list(args.overrides) + (["checkpoint.resume=true"] if getattr(args, "resume", False) else [])
+        flags = {"resume": "checkpoint.resume=true", "overwrite": "checkpoint.overwrite=true"}
+        overrides = list(args.overrides) + [o for flag, o in flags.items() if getattr(args, flag, False)]
         cfg = load_config(args.config, overrides)
+        from megatron_rl.loop import preflight  # every input checked, log.dir's run decided: no heavy import
+
+        if args.command == "train":
+            cfg = preflight.prepare_run(cfg)
+        elif args.command == "eval":
+            preflight.check_inputs(cfg)
     except ValueError as err:
         print(f"megatron-rl: error: {err}", file=sys.stderr)
         return 2
@@ -110,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megatron-rl: error: {err}", file=sys.stderr)
             return 2
         return 0
-    from megatron_rl.train import run  # heavy imports (torch, megatron) only after the config is valid
-    run(cfg)
+    from megatron_rl.train import run  # heavy imports (megatron) only after every check has passed
+    run(cfg, prepared=True)
     return 0
 
 

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from megatron_rl import collectives
-from megatron_rl.loop import build, evaluate, phases
+from megatron_rl.loop import build, evaluate, phases, preflight, run_folder, signals
 from megatron_rl.loop.best import BestCheckpoint
 from megatron_rl.loop.colocated import ColocatedMemory
 from megatron_rl.config import RunConfig, load_config
@@ -27,36 +25,21 @@ from megatron_rl.cluster.plan import check_fits, is_colocated, job_cluster
 log = logging.getLogger("megatron_rl.train")
 
 
-_ON_SIGTERM: list = []  # what a SIGTERM must stop before the process exits (see below)
-_STOP = threading.Event()  # SIGUSR1: stop after the current step with a checkpoint (see _stop_after)
+def run(cfg: RunConfig, prepared: bool = False) -> dict[str, float]:
+    """Train for cfg.train.num_steps RL steps; returns the last step's metrics. Every entry point
+    comes here, so SIGUSR1 and SIGTERM are handled here (loop/signals.py). `prepared`: the caller
+    ran preflight.prepare_run(cfg) already (the entry points, to print a refusal as one error line)."""
+    with signals.handle_signals():
+        return _train(cfg if prepared else preflight.prepare_run(cfg))
 
 
-def _stop_children_on_sigterm() -> None:
-    """SIGTERM (torchrun or srun stopping the job) stops this rank's SGLang servers and reward worker,
-    then exits 143. A Python handler would not run while the main thread waits inside a gloo / NCCL
-    collective (a peer died: up to the collective's timeout), so the signal's C-level handler writes
-    to a wakeup pipe (signal.set_wakeup_fd) that a watcher thread reads. Call from the main thread."""
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    signal.signal(signal.SIGTERM, lambda signum, _frame: None)  # not the default action: the watcher acts
-    signal.signal(signal.SIGUSR1, lambda signum, _frame: _STOP.set())
-
-    def watch() -> None:
-        while os.read(read_fd, 1) != bytes([signal.SIGTERM]):
-            pass  # another handled signal (SIGINT): not ours
-        for stop in _ON_SIGTERM:
-            try:
-                stop()
-            except Exception:  # noqa: BLE001 - the rank is exiting; stop the others regardless
-                log.exception("while stopping on SIGTERM")
-        os._exit(128 + signal.SIGTERM)
-
-    threading.Thread(target=watch, name="sigterm", daemon=True).start()
-
-
-def run(cfg: RunConfig) -> dict[str, float]:
-    """Train for cfg.train.num_steps RL steps; returns the last step's metrics."""
+def _train(cfg: RunConfig) -> dict[str, float]:
+    done = run_folder.finished_steps(cfg)
+    if done is not None:  # a relaunch of a finished run: nothing to build (servers take minutes)
+        if os.environ.get("RANK", "0") == "0":
+            log.warning("the run in %s has done %d steps, train.num_steps=%d: nothing to train (raise "
+                        "train.num_steps to continue it, or pass --overwrite)", cfg.log.dir, done, cfg.train.num_steps)
+        return {}
     planned = check_fits(cfg, job_cluster())  # a config that cannot fit is refused before any work
     if planned is not None:
         log.info("memory plan: peak %.1f of %.0f GB per GPU", planned["peak_gb_per_gpu"], planned["gpu_mem_gb"])
@@ -67,7 +50,7 @@ def run(cfg: RunConfig) -> dict[str, float]:
     memory = ColocatedMemory(run_.actor, owned, enabled=cfg.train.colocated_protocol and is_colocated(cfg),
                              barrier_after_sync=run_.sync.wait_for_owners, reference=run_.ref,
                              wait_group=run_.sync.wait_group)
-    _ON_SIGTERM.extend([run_.rewards.close] + ([run_.engine.shutdown] if run_.engine is not None else []))
+    signals.on_sigterm(run_.rewards.close, *([run_.engine.shutdown] if run_.engine is not None else []))
     metrics: dict[str, float] = {}
     evaluator = best = None
     try:  # finish() also stops engine servers and the reward worker when a step (or the first sync) raises
@@ -118,9 +101,7 @@ def _stop_after(run_: build.Run, step: int, memory: ColocatedMemory) -> bool:
     script requeues the job, which resumes from it. A request is SIGUSR1 to the rank or the file
     MEGATRON_RL_STOP_REQUEST existing (slurm/job.sh creates it on the job's warning signal: a signal
     sent through srun would reach every process of the step, torchrun included, which dies of it)."""
-    request = os.environ.get("MEGATRON_RL_STOP_REQUEST")
-    asked = _STOP.is_set() or bool(request and os.path.exists(request))
-    if not collectives.broadcast_object(asked, 0, None) or step + 1 >= run_.cfg.train.num_steps:
+    if not collectives.broadcast_object(signals.stop_requested(), 0, None) or step + 1 >= run_.cfg.train.num_steps:
         return False
     if not run_.save_due(step):
         with memory.trainer_on_device():
@@ -193,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m megatron_rl.train CONFIG.yaml [section.key=value ...]")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _stop_children_on_sigterm()
-    run(load_config(argv[0], argv[1:]))
+    try:
+        cfg = preflight.prepare_run(load_config(argv[0], argv[1:]))
+    except ValueError as err:
+        print(f"megatron_rl.train: error: {err}", file=sys.stderr)
+        return 2
+    run(cfg, prepared=True)
     return 0
 
 

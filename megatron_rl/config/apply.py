@@ -16,7 +16,12 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return coerce(value, inner[0], key)
+        for option in inner[:-1]:  # `bool | str`: the first type the value fits
+            try:
+                return coerce(value, option, key)
+            except ValueError:
+                pass
+        return coerce(value, inner[-1], key)
     if tp is Any:
         return value
     if origin is dict:

@@ -16,7 +16,16 @@ class CheckpointConfig:
     save_every: int = 0
     """Steps between checkpoints (0 = only at the end when `save_final`)."""
     save_final: bool = True
-    resume: bool = False
+    resume: bool | str = "auto"
+    """What a launch does with a log.dir that already holds a run (its config.yaml, metrics or
+    checkpoints; loop/run_folder.py): auto = resume it from its latest checkpoint when its saved
+    config is compatible (same model, precision, algorithm, data and reward: RUN_IDENTITY there), else
+    refuse naming what differs; a folder without a run starts one. true (`--resume`) = the same, with
+    a warning when there is nothing to resume. false = always start afresh, so a folder holding a run
+    is refused. verl's trainer.resume_mode (auto | disable)."""
+    overwrite: bool = False
+    """`--overwrite`: delete the run in log.dir (metrics, checkpoints with latest / best, config,
+    samples, exports) and start afresh. Never with resume=true."""
     async_save: bool = False
     """Write the model/optimizer checkpoint in a background process (Megatron's async save); it
     is published (renamed, `latest` moved) once written everywhere, always before the next save
@@ -45,6 +54,11 @@ def check_retention(c: CheckpointConfig) -> None:
     for key in ("keep_last", "save_hf_every"):
         if getattr(c, key) < 0:
             raise ValueError(f"config key 'checkpoint.{key}': must be >= 0, got {getattr(c, key)}")
+    if c.resume not in (True, False, "auto"):
+        raise ValueError(f"config key 'checkpoint.resume': expected auto, true or false, got {c.resume!r}")
+    if c.overwrite and c.resume is True:
+        raise ValueError("config key 'checkpoint.overwrite': deletes the run that checkpoint.resume=true "
+                         "(--resume) asks to continue; give one of them")
 
 
 def check_keep_best(cfg: RunConfig) -> None:

@@ -14,7 +14,10 @@ class DataConfig:
     """Prompt dataset (.jsonl or .parquet)."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    max_prompt_len: int = 64
+    max_prompt_len: int = 1024
+    """Prompt length cap in tokens (after the chat template); longer rows are skipped, counted and
+    logged with their length. Sizes the memory plan with rollout.max_new_tokens, so it is a number,
+    not derived from the data. verl's data.max_prompt_length, slime's --rollout-max-prompt-len."""
     num_examples: int = 4096
     """Built-in tasks: how many prompts to generate."""
     prompts_per_step: int = 16

@@ -52,7 +52,7 @@ class Run:
         return self.parallel.rank == 0
 
     def resume_step(self) -> int:
-        if not self.cfg.checkpoint.resume:
+        if self.cfg.checkpoint.resume is not True:  # preflight.prepare_run resolved `auto` (run_folder.py)
             return 0
         return self.checkpointer.load_latest(self)
 
@@ -478,7 +478,7 @@ def build_run(cfg: RunConfig) -> Run:
                       kv_scales=kv_scales_source(cfg, actor.spec.num_layers, kv_calibration))
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save, keep_last=cfg.checkpoint.keep_last)
-    start = checkpointer.latest_step() if cfg.checkpoint.resume else 0
+    start = checkpointer.latest_step() if cfg.checkpoint.resume is True else 0
     w = cfg.log.wandb
     logger = MetricsLogger(cfg.log.dir, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress,
                            total_steps=t.num_steps, start_step=start, enabled=parallel.rank == 0,

@@ -14,6 +14,7 @@ import torch
 
 from megatron_rl import collectives
 from megatron_rl.config import eval_metric_names
+from megatron_rl.data.prompt_file import check_prompt_file
 from megatron_rl.loop import build
 from megatron_rl.loop.phases import _broadcast_from_engine_rank, _step_seed
 from megatron_rl.loop.sampling import response_texts, sampling_params, score_texts
@@ -55,28 +56,10 @@ def held_out_records(cfg, task: str, count: int) -> list[dict[str, str]]:
 
 
 def _check_eval_file(path: Path, prompt_key: str, answer_key: str, key: str) -> None:
-    """The file exists and its (first) row has the training data's prompt and answer keys. Checked
-    when a run or `megatron-rl eval` starts, not at config load: `plan` and `launch --dry-run` read
-    recipes on machines without the data (as data.path)."""
-    if not path.is_file():
-        raise ValueError(f"config key '{key}': no such file {path}")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        columns = set(pq.ParquetFile(path).schema_arrow.names)
-    else:
-        with path.open(encoding="utf-8") as f:
-            first = next((line for line in f if line.strip()), "{}")
-        try:
-            row = json.loads(first)
-        except json.JSONDecodeError:  # reported as a bad row by the dataset reader
-            row = {}
-        columns = set(row) if isinstance(row, dict) else set()
-    for column, source in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-        if column not in columns and column.split(".")[0] not in columns:  # a dotted key: its top column
-            where = "columns" if path.suffix == ".parquet" else "first row has keys"
-            raise ValueError(f"config key '{key}': {path} has no {source} column {column!r} "
-                             f"(its {where}: {sorted(columns)})")
+    """The file exists, holds rows and has the training data's prompt and answer keys (dotted keys
+    reach nested fields). Checked when a run or `megatron-rl eval` starts (loop/preflight.py), not
+    at config load: `plan` and `launch --dry-run` read recipes on machines without the data."""
+    check_prompt_file(path, {"data.prompt_key": prompt_key, "data.answer_key": answer_key}, key)
 
 
 def build_eval_sets(cfg, tokenizer) -> list[EvalSet]:

@@ -137,8 +137,8 @@ def test_an_eval_file_with_a_dotted_answer_key_is_read_as_the_training_data(tmp_
     (s,) = build_eval_sets(cfg, build_char_tokenizer())
     assert [(p.answer, p.extra["data_source"]) for p in s.prompts] == [("2", "easy"), ("5", "hard")]
     cfg = load_config(None, ["data.answer_key=reward_model.truth", "eval.datasets=" + json.dumps([data])])
-    with pytest.raises(ValueError, match=r"rows missing key: \{'reward_model.truth': 2\}"):
-        build_eval_sets(cfg, build_char_tokenizer())  # past the check (the top column exists), every row lacks it
+    with pytest.raises(ValueError, match=r"has no data.answer_key column 'reward_model.truth'"):
+        build_eval_sets(cfg, build_char_tokenizer())  # the top column exists, the nested key does not
 
 
 def test_bad_dataset_sampling_overrides_name_the_key():

@@ -1,6 +1,6 @@
 """SGLangEngine.shutdown() racing a restart: a server found dead after shutdown stays stopped.
 
-The race is real: train.py's SIGTERM watcher calls shutdown() on its own thread while the main
+The race is real: the SIGTERM watcher (loop/signals.py) calls shutdown() on its own thread while the main
 thread may be retrying a request whose server the shutdown just stopped.
 """
 
