@@ -1,0 +1,121 @@
+"""The GPU matrix written once: constraints/gpu.txt, setup.py's extras and docker/Dockerfile agree
+with megatron_rl/stack.py, the pins are the ones sglang and megatron-core declare, and the start
+gates refuse a Transformer Engine or megatron-core outside the supported range by name."""
+
+import ast
+import re
+from importlib.metadata import requires
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from megatron_rl import stack
+from megatron_rl.actor import megatron_compat
+from megatron_rl.fp8 import Fp8Recipe
+from megatron_rl.fp8.te_recipe import check_te_version, require_te
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _setup_extras() -> dict:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "EXTRAS")
+    return ast.literal_eval(node.value)
+
+
+def _pin(req: Requirement) -> str:
+    (spec,) = req.specifier
+    assert spec.operator == "==", req
+    return spec.version
+
+
+def test_constraints_file_is_the_matrix_written_out():
+    text = (ROOT / "constraints" / "gpu.txt").read_text()
+    assert text == stack.constraints_text(), "regenerate: python -m megatron_rl.stack > constraints/gpu.txt"
+    pins = dict(line.split("==") for line in text.splitlines() if not line.startswith("#"))
+    assert pins["torch"] == "2.14.1" and pins["transformer-engine"] == "2.11.0"
+    assert len(pins) == 12
+
+
+def test_setup_extras_pin_exactly_the_matrix():
+    extras = _setup_extras()
+    gpu = [Requirement(r) for r in extras["gpu"]]
+    assert {r.name: _pin(r) for r in gpu} == {
+        "torch": "2.14.1", "transformers": "5.19.0", "megatron-core": "0.16.1",
+        "transformer-engine": "2.11.0", "sglang": "0.5.23", "sglang-router": "0.3.2"}
+    for req in gpu:
+        assert _pin(req) == stack.GPU_MATRIX[req.name]
+    te = next(r for r in gpu if r.name == "transformer-engine")
+    assert te.extras == {"core_cu13", "pytorch"}  # torch 2.14.1 on PyPI is the CUDA 13 build
+    assert str(te) == stack.TE_REQUIREMENT
+    (modelopt,) = [Requirement(r) for r in extras["modelopt"]]
+    assert (modelopt.name, _pin(modelopt), modelopt.extras) == ("nvidia-modelopt", "0.47.0", set())
+
+
+def _declared(dist: str, extra: str | None = None) -> dict:
+    """{name: Requirement} that installed `dist` declares for linux x86-64 / Python 3.12."""
+    env = {"sys_platform": "linux", "platform_machine": "x86_64", "python_version": "3.12",
+           "platform_system": "Linux", "extra": extra or ""}
+    out = {}
+    for line in requires(dist) or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(env):
+            if extra is None or (req.marker is not None and "extra" in str(req.marker)):
+                out[req.name.lower().replace("_", "-")] = req
+    return out
+
+
+def test_matrix_is_what_sglang_pins():
+    # sglang is installed from source without deps by `make setup`: its metadata is here
+    pins = _declared("sglang")
+    for name in ("torch", "torchaudio", "transformers", "sglang-kernel", "flashinfer-python"):
+        assert _pin(pins[name]) == stack.GPU_MATRIX[name], name
+
+
+def test_te_range_is_megatron_cores_tested_range():
+    te = _declared("megatron-core", "dev")["transformer-engine"]
+    assert te.specifier == stack.SUPPORTED["transformer-engine"]
+    assert te.extras == {"core_cu13", "pytorch"}
+    assert stack.GPU_MATRIX["transformer-engine"] in te.specifier
+    low, high = megatron_compat.TESTED_MEGATRON
+    assert str(stack.SUPPORTED["megatron-core"]) in (f">={low},<{high}", f"<{high},>={low}")
+    assert stack.GPU_MATRIX["megatron-core"] in stack.SUPPORTED["megatron-core"]
+
+
+@pytest.mark.parametrize("found, ok", [("2.11.0", True), ("2.9.0", True), ("2.10.0+769ed77", True),
+                                       ("2.9.0rc1", True), ("2.12.0", False), ("2.8.0", False),
+                                       ("2.20.2", False)])
+def test_te_range_gate(found, ok):
+    if ok:
+        stack.check_supported("transformer-engine", found)
+    else:
+        with pytest.raises(RuntimeError, match=rf"^transformer-engine {re.escape(found)} is outside .*"
+                                               r"<2.12.0.*pins 2.11.0"):
+            stack.check_supported("transformer-engine", found)
+
+
+def _fake_dist(root: Path, name: str, version: str) -> None:
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_require_te_refuses_an_installed_te_outside_the_range_by_name(tmp_path, monkeypatch):
+    # Real package metadata on sys.path, read by importlib.metadata as pip's installs are.
+    _fake_dist(tmp_path, "transformer-engine", "2.11.0")
+    _fake_dist(tmp_path, "transformer-engine-torch", "2.20.2")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"^transformer-engine-torch 2.20.2 is outside"):
+        require_te(Fp8Recipe("delayed"))
+    with pytest.raises(RuntimeError, match="transformer-engine-torch 2.20.2"):
+        check_te_version()
+
+
+def test_require_te_passes_te_in_range_on_to_the_import_check(tmp_path, monkeypatch):
+    _fake_dist(tmp_path, "transformer-engine", "2.10.0")
+    _fake_dist(tmp_path, "transformer-engine-torch", "2.10.0")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_te_version()
+    with pytest.raises(ValueError, match="transformer_engine does not import"):  # no CUDA here
+        require_te(Fp8Recipe("delayed"))
