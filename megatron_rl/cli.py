@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from megatron_rl.config import load_config
@@ -16,6 +17,7 @@ EPILOG = """examples:
   torchrun --nproc-per-node 2 -m megatron_rl.train CONFIG.yaml parallel.tensor_model_parallel_size=2
   megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 rollout.max_new_tokens=8192 --gpu-mem-gb 80
   megatron-rl launch --dry-run examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpus-per-node 8
+  megatron-rl doctor --json doctor.json examples/qwen3_8b_grpo/fp8_calibrated.yaml
 """
 
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in log.dir")
     _add_plan_parser(sub)
     _add_eval_parser(sub)
+    _add_doctor_parser(sub)
     sub.add_parser("launch", add_help=False,
                    help="Slurm placement (--dry-run) or this host's part of it")
     return parser
@@ -45,6 +48,14 @@ def _add_eval_parser(sub) -> None:
                     help="a step folder, a checkpoints folder (its latest) or its latest / best file; "
                          "default: model.hf_dir (or the tiny model) as built")
     ev.add_argument("--output", default="", help="folder of eval_results.json (default <log.dir>_eval)")
+
+
+def _add_doctor_parser(sub) -> None:
+    doctor = sub.add_parser("doctor", help="check this node's GPU stack; exit 1 on a blocker")
+    doctor.add_argument("config", nargs="?", default=None,
+                        help="YAML config whose needs to check (SGLang, ports, recipe); default: none")
+    doctor.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    doctor.add_argument("--json", default=None, metavar="PATH", help="also write the checks as a JSON list")
 
 
 def _add_plan_parser(sub) -> None:
@@ -86,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from megatron_rl.cluster.plan import main as plan_main
             return plan_main(args)
+        if args.command == "doctor":
+            from megatron_rl.cluster import doctor
+            config, overrides = args.config, list(args.overrides)
+            if config and "=" in config and not os.path.isfile(config):  # no CONFIG, overrides only
+                config, overrides = None, [config, *overrides]
+            cfg = load_config(config, overrides) if config or overrides else None
+            return doctor.report(doctor.run_checks(cfg), args.json)
         overrides = list(args.overrides) + (["checkpoint.resume=true"] if getattr(args, "resume", False) else [])
         cfg = load_config(args.config, overrides)
     except ValueError as err:
