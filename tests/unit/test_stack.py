@@ -49,8 +49,9 @@ def test_setup_extras_pin_exactly_the_matrix():
     te = next(r for r in gpu if r.name == "transformer-engine")
     assert te.extras == {"core_cu13", "pytorch"}  # torch 2.14.1 on PyPI is the CUDA 13 build
     assert str(te) == stack.TE_REQUIREMENT
-    (modelopt,) = [Requirement(r) for r in extras["modelopt"]]
+    modelopt, requests = [Requirement(r) for r in extras["modelopt"]]
     assert (modelopt.name, _pin(modelopt), modelopt.extras) == ("nvidia-modelopt", "0.47.0", set())
+    assert requests.name == "requests"  # imported by modelopt.torch.quantization, undeclared
 
 
 def _declared(dist: str, extra: str | None = None) -> dict:
