@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -28,10 +29,20 @@ def _uv() -> str | None:
         return shutil.which("uv")
 
 
-def _index_reachable() -> bool:
+def _index() -> str:
+    """The package index: uv's own setting, else pip's (a CI mirror), else PyPI."""
+    env = os.environ
+    return (env.get("UV_DEFAULT_INDEX") or env.get("UV_INDEX_URL") or env.get("PIP_INDEX_URL")
+            or "https://pypi.org/simple")
+
+
+def _index_reachable(url: str) -> bool:
+    parts = urlparse(url)
+    if parts.scheme == "file":
+        return Path(parts.path).is_dir()
     try:
-        socket.create_connection(("pypi.org", 443), timeout=5).close()
-    except OSError:
+        socket.create_connection((parts.hostname, parts.port or 443), timeout=5).close()
+    except (OSError, TypeError):
         return False
     return True
 
@@ -66,11 +77,12 @@ def _resolved(lock: str) -> dict:
 def test_gpu_matrix_resolves_for_linux_x86_64_python_3_12(tmp_path):
     uv = _uv()
     _need(uv is not None, "uv is not installed (pip install uv; it is in the test extra)")
-    _need(_index_reachable(), "pypi.org is not reachable")
+    index = _index()
+    _need(_index_reachable(index), f"the package index {index} is not reachable")
     (tmp_path / "in.txt").write_text("\n".join(_setup_requirements()) + "\n")
     env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", UV_CACHE_DIR=str(tmp_path / "cache"))
     run = subprocess.run([uv, "pip", "compile", "in.txt", "-c", str(ROOT / "constraints" / "gpu.txt"),
-                          "--python-platform", PLATFORM, "--python-version", "3.12",
+                          "--default-index", index, "--python-platform", PLATFORM, "--python-version", "3.12",
                           "--no-header", "--no-annotate", "-o", "lock.txt"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, f"the GPU matrix does not resolve:\n{run.stderr[-4000:]}"
