@@ -176,3 +176,23 @@ def test_matrix_check_counts_what_is_off_its_pin(found, bad):
     if bad == 2:
         assert lines == ["transformers: found 5.25.0, the matrix pins 5.19.0",
                          "sglang-kernel: found nothing, the matrix pins 0.4.10"]
+
+
+def test_a_run_on_a_gpu_is_refused_at_build_with_te_outside_the_range(tmp_path, monkeypatch):
+    import torch
+
+    from megatron_rl.config import load_config
+    from megatron_rl.fp8 import te_recipe
+    from megatron_rl.loop.build import build_actor_settings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # an H100, as the build sees it
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    imported = []
+    monkeypatch.setattr(te_recipe, "te_available", lambda: imported.append(1) or True)
+    _fake_dist(tmp_path, "transformer-engine", "2.20.2")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"^transformer-engine 2.20.2 is outside .*<2.12.0"):
+        build_actor_settings(load_config(None, ["precision.train_recipe=delayed"]))
+    assert not imported  # refused from metadata, before TE is imported
+    local = build_actor_settings(load_config(None, ["parallel.transformer_impl=local"]))
+    assert local.transformer_impl == "local"  # TE unused: its version does not matter
