@@ -4,7 +4,7 @@
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test,wandb
+EXTRAS ?= test,wandb,modelopt
 # gpu: every install is held to the matrix (megatron_rl/stack.py); torch comes from it.
 GPU_PINS := $(if $(findstring gpu,$(EXTRAS)),-c constraints/gpu.txt)
 TORCH_SPEC ?= $(if $(GPU_PINS),torch,torch==2.13.0)
