@@ -177,3 +177,15 @@ def test_needs_follow_the_config():
     remote = doctor.needs_of(load_config(None, ["rollout.engine=sglang",
                                                 "rollout.sglang.server_urls=[http://n1:30000]"]))
     assert not remote.sglang and remote.ports == (29500,)
+
+
+def test_the_gpu_check_interface_json_then_a_yaml_config(tmp_path):
+    # tools/gpu_check.sh calls exactly `megatron-rl doctor --json $OUT/doctor.json CONFIG`.
+    out = tmp_path / "out" / "doctor.json"
+    run = _doctor("--json", str(out), "examples/qwen3_8b_grpo/fp8_calibrated.yaml")
+    checks = {c["check"]: c for c in json.loads(out.read_text())}
+    assert set(checks) >= {"cuda", "driver", "gpu_arch", "te_kernels", "apex_wgrad_fusion", "sglang",
+                           "nccl", "stop_file", "package transformer-engine", "port 29500"}
+    assert all(c["status"] in doctor.STATUSES for c in checks.values())
+    assert checks["package megatron-core"]["status"] == "PASS"
+    assert run.returncode == (1 if any(c["status"] == "FAIL" for c in checks.values()) else 0)
