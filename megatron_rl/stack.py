@@ -12,15 +12,17 @@ Why each pin (read from each package's own metadata):
   the trainer too. Its x86-64 wheel is manylinux_2_34 (glibc >= 2.34).
 - megatron-core 0.16.1: the release actor/megatron_compat.py patches by file:line. Its `dev` extra
   declares transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0: the TE range it is tested with.
-- transformer-engine 2.11.0: the newest release inside that range. Its torch extension
-  (transformer-engine-torch, source only) declares torch>=2.1 and builds against the installed
+- transformer-engine 2.11.0: the newest release inside that range (2.9.0, 2.10.0 and 2.11.0 all
+  declare torch>=2.1 and take a CUDA 12 or 13 torch). Its torch extension
+  (transformer-engine-torch, source only) builds against the installed
   torch, so it needs `pip install --no-build-isolation`; built against torch 2.14.1 (CUDA 13) it
   requires the CUDA 13 core, transformer-engine-cu13 (its setup.py picks the core by
   torch.version.cuda; the sdist's static metadata names cu12, which a resolver then also lists).
 - sglang-router 0.3.2: the newest; it pins nothing the rest pins.
 - nvidia-modelopt 0.47.0: the NVFP4 export (convert/hf_to_nvfp4.py). Plain, not `[hf]`: its `hf`
   extra caps transformers<5.15, which sglang's transformers==5.19.0 excludes; the export needs
-  only torch, transformers and safetensors besides modelopt's own requirements.
+  only torch, transformers, safetensors and requests (imported by modelopt, not declared) besides
+  modelopt's own requirements; it ran with transformers 5.25.0 on CPU.
 """
 
 from __future__ import annotations
