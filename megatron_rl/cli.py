@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from megatron_rl.config import dump_config, load_config
@@ -18,6 +19,7 @@ EPILOG = """examples:
   megatron-rl plan examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 rollout.max_new_tokens=8192 --gpu-mem-gb 80
   megatron-rl launch --dry-run examples/qwen3_8b_grpo/fp8_calibrated.yaml --nodes 4 --gpus-per-node 8
   megatron-rl config examples/qwen3_8b_grpo/fp8.yaml eval.datasets.0.temperature=0.6
+  megatron-rl doctor --json doctor.json examples/qwen3_8b_grpo/fp8_calibrated.yaml
 """
 
 
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_eval_parser(sub)
     _add_config_parser(sub)
+    _add_doctor_parser(sub)
     sub.add_parser("launch", add_help=False,
                    help="Slurm placement (--dry-run) or this host's part of it")
     return parser
@@ -58,6 +61,12 @@ def _add_config_parser(sub) -> None:
     cfg = sub.add_parser("config", help="print the resolved config with every default (YAML)")
     cfg.add_argument("config", help="YAML config file (see examples/)")
     cfg.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. eval.datasets.0.temperature=0.6")
+def _add_doctor_parser(sub) -> None:
+    doctor = sub.add_parser("doctor", help="check this node's GPU stack; exit 1 on a blocker")
+    doctor.add_argument("config", nargs="?", default=None,
+                        help="YAML config whose needs to check (SGLang, ports, recipe); default: none")
+    doctor.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    doctor.add_argument("--json", default=None, metavar="PATH", help="also write the checks as a JSON list")
 
 
 def _add_plan_parser(sub) -> None:
@@ -99,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from megatron_rl.cluster.plan import main as plan_main
             return plan_main(args)
+        if args.command == "doctor":
+            from megatron_rl.cluster import doctor
+            config, overrides = args.config, list(args.overrides)
+            if config and "=" in config and not os.path.isfile(config):  # no CONFIG, overrides only
+                config, overrides = None, [config, *overrides]
+            cfg = load_config(config, overrides) if config or overrides else None
+            return doctor.report(doctor.run_checks(cfg), args.json)
         flags = {"resume": "checkpoint.resume=true", "overwrite": "checkpoint.overwrite=true"}
         overrides = list(args.overrides) + [o for flag, o in flags.items() if getattr(args, flag, False)]
         cfg = load_config(args.config, overrides)

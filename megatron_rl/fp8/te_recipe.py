@@ -28,12 +28,26 @@ import os
 import torch
 
 from megatron_rl.fp8.recipe import Fp8Recipe
+from megatron_rl.stack import check_supported
 
 TE_BLOCK = 128  # Float8BlockScaling's fixed 1x128 / 128x128 block
 NVFP4_ENVIRONMENT = {"NVTE_NVFP4_DISABLE_RHT": "0", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "0",
                      "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "1"}
 _MEGATRON_RECIPE = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise",
                     "mxfp8": "mxfp8"}
+
+
+# Installed together by `transformer-engine[pytorch]`; a mismatched pair is a classic breakage, so
+# each is held to megatron-core's tested range (megatron_rl/stack.py SUPPORTED).
+TE_DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch")
+
+
+def check_te_version() -> None:
+    """Refuse an installed Transformer Engine outside the supported range (RuntimeError naming the
+    distribution, its version, the range and the fix). Reads package metadata only: TE is not
+    imported, so the NVTE_* switches it reads at import are still free to be set."""
+    for dist in TE_DISTRIBUTIONS:
+        check_supported(dist)
 
 
 def te_available() -> bool:
@@ -160,7 +174,7 @@ def require_te(recipe: Fp8Recipe) -> None:
 
     The environment is checked first, before anything imports TE (TE reads the NVTE_* scale
     switches once, at import: a mismatch found later could not be fixed in-process).
-    Raises ValueError with the fix.
+    Raises ValueError with the fix; RuntimeError for a TE outside the supported range.
     """
     bad = te_environment_mismatches(recipe)
     if bad:
@@ -169,6 +183,7 @@ def require_te(recipe: Fp8Recipe) -> None:
                          f"Engine needs the environment {exports} set before TE is imported "
                          f"(else its scales differ from the emulation and the rollout); export it "
                          f"where the job starts (torchrun / sbatch environment)")
+    check_te_version()
     if not te_available():
         raise ValueError("config key 'parallel.transformer_impl': CUDA is present but "
                          "transformer_engine does not import; install it (pip install "

@@ -16,6 +16,15 @@ def require_module(name: str, install_hint: str) -> None:
                            f"machine: {install_hint}")
 
 
+def sglang_import_error() -> str | None:
+    """Why SGLang's server arguments do not import in this interpreter (None when they do)."""
+    try:
+        import sglang.srt.server_args  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any failure (missing deps, CUDA libs) is the answer
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def server_argv(args: list[str], command: list[str] | None = None) -> list[str]:
     """`command` + args; no command = `python -m sglang.launch_server` of this interpreter (then the
     package must be installed here; a command runs SGLang from another environment or a container)."""
