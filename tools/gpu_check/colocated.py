@@ -7,6 +7,7 @@ tcp_spawn           a server-like process started from a torchrun worker (with t
 ipc_tensor_sync     N syncs of 512 MiB flattened buckets into a second process over CUDA IPC (the
                     tensor transport's payload, rebuilt as SGLang's reconstruct_tensors does, then
                     param.copy_): bytes equal, the consumer's memory flat across syncs, seconds per GB
+                    (the dry mode runs the same protocol on CPU tensors in shared memory)
 offload_mem_get_info  the trainer's offload seen by a second process's torch.cuda.mem_get_info against
                     the planner's weights + grads + optimizer and offload()'s own count; reload
                     bitwise and the next log-probs identical
@@ -78,19 +79,17 @@ def _send(proc, bucket, check: bool) -> dict:
 
 
 def ipc_tensor_sync(ctx):
+    """On CPU (the dry mode) the same protocol runs with 8 MiB buckets in shared memory files."""
     import torch
     from procs import checksum
 
-    from megatron_rl.rollout.sglang_payload import flatten_bucket, serialize_flattened, unflatten_bucket
     from megatron_rl.sync.buckets import iter_buckets, tensor_bytes
-    small = _weights("cpu", 40)  # the CPU side: bucketing, flattening and the payload of CPU tensors
-    flat, meta = flatten_bucket(small)
-    serialize_flattened(flat, meta)
-    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for (_, a), (_, b) in zip(sorted(small), sorted(unflatten_bucket(flat, meta))))
-    ctx.need_cuda()
-    named = _weights("cuda", BUCKET_MB * BUCKETS)
-    buckets = list(iter_buckets(named, BUCKET_MB * 2**20))
+    cuda = not ctx.dry
+    if cuda:
+        ctx.need_cuda()
+    device, bucket_mb = ("cuda", BUCKET_MB) if cuda else ("cpu", 8)
+    named = _weights(device, bucket_mb * BUCKETS)
+    buckets = list(iter_buckets(named, bucket_mb * 2**20))
     expected = [sum(checksum(t) for _, t in b) for b in buckets]
     total = sum(tensor_bytes(t) for _, t in named)
     proc = subprocess.Popen([sys.executable, PROCS, "consumer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -99,7 +98,8 @@ def ipc_tensor_sync(ctx):
         seconds, used, allocated, mismatched = [], [], [], 0
         for n in range(SYNCS):
             check = n in (0, SYNCS - 1)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             replies = [_send(proc, b, check) for b in buckets]
             seconds.append(time.perf_counter() - start)
@@ -113,12 +113,13 @@ def ipc_tensor_sync(ctx):
     timed = sorted(seconds[1:-1])  # unchecked syncs only
     s_per_gb = timed[len(timed) // 2] / (total / 1e9)
     growth = max(used[1:]) - min(used[1:])
-    return {"gb_per_sync": round(total / 1e9, 3), "buckets": len(buckets), "syncs": SYNCS,
-            "cpu_payload_roundtrip": same, "mismatched_buckets": mismatched,
-            "consumer_allocated_gib": [round(a / 2**30, 3) for a in allocated],
-            "device_used_growth_mib": round(growth / 2**20, 1), "s_per_gb": round(s_per_gb, 4),
-            "ratios": {"weight_sync_ipc_s_per_gb": s_per_gb},
-            "ok": same and mismatched == 0 and len(set(allocated)) == 1 and growth < BUCKET_MB * 2**20}
+    detail = {"device": device, "gb_per_sync": round(total / 1e9, 3), "buckets": len(buckets), "syncs": SYNCS,
+              "mismatched_buckets": mismatched, "consumer_allocated_gib": [round(a / 2**30, 3) for a in allocated],
+              "device_used_growth_mib": round(growth / 2**20, 1), "s_per_gb": round(s_per_gb, 4),
+              "ok": mismatched == 0 and len(set(allocated)) == 1 and growth < bucket_mb * 2**20}
+    if cuda:
+        detail["ratios"] = {"weight_sync_ipc_s_per_gb": s_per_gb}
+    return detail
 
 
 def _ask(proc) -> int:
@@ -187,11 +188,11 @@ def cuda_graph_inplace(ctx):
     with torch.no_grad():
         weight.copy_(new)
     graph.replay()
-    copy_seen = bool(torch.allclose(y, x @ new.T, rtol=1e-5, atol=1e-5))
+    copy_seen = bool(torch.allclose(y, x @ new.T, rtol=1e-4, atol=1e-3))
     rebound = torch.randn(512, 512, device="cuda", generator=gen)
     weight.data = rebound
     graph.replay()
-    rebind_seen = bool(torch.allclose(y, x @ rebound.T, rtol=1e-5, atol=1e-5))
+    rebind_seen = bool(torch.allclose(y, x @ rebound.T, rtol=1e-4, atol=1e-3))
     return {"copy_seen": copy_seen, "rebind_seen": rebind_seen, "ok": copy_seen and not rebind_seen}
 
 

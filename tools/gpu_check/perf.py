@@ -114,9 +114,9 @@ def rollout_fp8_vs_bf16(ctx):
 
     from megatron_rl.rollout.base import SamplingParams
     from megatron_rl.rollout.torch_engine import TorchRolloutEngine
-    _hf_model("meta")
+    config, _ = _hf_model("meta")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=0)
-    prompts = [[(7 * i + j) % 31000 + 100 for j in range(64)] for i in range(64)]
+    prompts = [[(7 * i + 13 * j) % (config.vocab_size - 100) + 100 for j in range(64)] for i in range(64)]
     ctx.need_cuda()
     _, model = _hf_model("cuda")
     rates = {}

@@ -19,7 +19,7 @@ SEQ = 4096
 
 def _cfg(te: bool, recipe: str):
     return cfg_of("precision.params_dtype=bf16", f"precision.train_recipe={recipe}", "train.micro_batch_size=1",
-                  "data.max_prompt_len=512", f"rollout.max_new_tokens={SEQ - 512}",
+                  f"data.max_prompt_len={SEQ // 8}", f"rollout.max_new_tokens={SEQ - SEQ // 8}",
                   "parallel.recompute_granularity=none", te=te)
 
 

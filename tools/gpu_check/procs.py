@@ -5,7 +5,8 @@ worker    a torchrun worker: its own default group (env://), then it starts a se
           launch_env) and meets it in a weight-update group built as the NCCL transport builds it
           (collectives.rendezvous_group_as_rank0); prints `WORKER OK <sum>` after one broadcast
 server    what an SGLang server does at start and at /init_weights_update_group: init_process_group
-          over tcp:// for its own TP group, then joins the weight group as rank 1 and receives
+          over tcp:// for its own TP group (nccl on CUDA: one all_reduce), then joins the weight group
+          (gloo: both ends on one GPU) as rank 1 and receives
 consumer  a colocated engine's side of the IPC tensor sync: reads base64 payloads (one a line),
           rebuilds the tensors as SGLang's FlattenedTensorBucket.reconstruct_tensors does (views of
           the flat buffer), param.copy_ into its own preallocated parameters, answers one JSON line
@@ -55,8 +56,9 @@ def worker(args) -> int:
     argv = [sys.executable, __file__, "server", "--backend", args.backend, "--tp-port", str(args.tp_port),
             "--weights-port", str(args.weights_port), "--timeout", str(args.timeout)]
     server = subprocess.Popen(argv, env=launch_env())
-    group = rendezvous_group_as_rank0("127.0.0.1", args.weights_port, 2, WEIGHT_GROUP, args.backend, timeout)
-    payload = torch.arange(1024, dtype=torch.float32, device=_device(args.backend))
+    # gloo: both ends share one GPU here, and NCCL refuses two ranks of a group on one device.
+    group = rendezvous_group_as_rank0("127.0.0.1", args.weights_port, 2, WEIGHT_GROUP, "gloo", timeout)
+    payload = torch.arange(1024, dtype=torch.float32)
     dist.broadcast(payload, src=0, group=group)
     rc = server.wait(timeout=args.timeout)
     dist.destroy_process_group(group)
@@ -68,18 +70,23 @@ def worker(args) -> int:
 def server(args) -> int:
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
     timeout = datetime.timedelta(seconds=args.timeout)
-    # SGLang's model runner: its own TP group over tcp:// (parallel_state.init_distributed_environment).
+    # SGLang's model runner: its own TP group over tcp:// (parallel_state.init_distributed_environment),
+    # one collective on it so that NCCL's communicator is really built.
+    if args.backend == "nccl":
+        torch.cuda.set_device(0)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{args.tp_port}", world_size=1, rank=0,
                             timeout=timeout)
+    probe = torch.ones(8, device=_device(args.backend))
+    dist.all_reduce(probe)
     # SGLang's /init_weights_update_group: rendezvous on tcp:// as rank 1, a store prefixed by the name.
     store, rank, world = next(dist.rendezvous(f"tcp://127.0.0.1:{args.weights_port}", 1, 2, timeout=timeout))
-    group, _ = _new_process_group_helper(world, rank, [], Backend(args.backend), PrefixStore(WEIGHT_GROUP, store),
+    group, _ = _new_process_group_helper(world, rank, [], Backend("gloo"), PrefixStore(WEIGHT_GROUP, store),
                                          group_name=WEIGHT_GROUP, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
-    got = torch.empty(1024, dtype=torch.float32, device=_device(args.backend))
+    got = torch.empty(1024, dtype=torch.float32)
     dist.broadcast(got, src=0, group=group)
     expected = float(torch.arange(1024, dtype=torch.float32).sum())
-    print(f"SERVER received {float(got.sum())}", flush=True)
+    print(f"SERVER tp_group={args.backend} probe={float(probe.sum())} received {float(got.sum())}", flush=True)
     return 0 if float(got.sum()) == expected else 1
 
 
@@ -98,12 +105,15 @@ def consumer(args) -> int:
                 params[name] = torch.empty_like(view)
             params[name].copy_(view)
             total += checksum(params[name]) if check == "C" else 0
+        cuda = view.is_cuda
         del data, named, view
-        torch.cuda.synchronize()
-        torch.cuda.ipc_collect()
-        free, size = torch.cuda.mem_get_info()
-        print(json.dumps({"checksum": total, "allocated": torch.cuda.memory_allocated(), "device_used": size - free}),
-              flush=True)
+        allocated, used = 0, 0  # CPU tensors (the dry mode): shared-memory files, no device
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()  # drop the producer's blocks this process still maps
+            free, size = torch.cuda.mem_get_info()
+            allocated, used = torch.cuda.memory_allocated(), size - free
+        print(json.dumps({"checksum": total, "allocated": allocated, "device_used": used}), flush=True)
     return 0
 
 

@@ -46,12 +46,20 @@ def wgrad_fusion(ctx):
             and math.isfinite(out[0]["loss"])}
 
 
+def _not_te_fp8(actor, kwargs) -> dict | None:
+    """A FAIL detail when the actor did not get the TE spec with Megatron's FP8 fields."""
+    if actor.use_te and actor.config.fp8 == kwargs["fp8"]:
+        return None
+    return {"use_te": actor.use_te, "fp8": actor.config.fp8, "ok": False}
+
+
 def te_recipe(recipe):
     def run(ctx):
         cfg, _, kwargs = _te_cfg(ctx, f"precision.train_recipe={recipe}")
         actor = actor_of(cfg)
-        if not actor.use_te or actor.config.fp8 != kwargs["fp8"]:
-            return {"use_te": actor.use_te, "fp8": actor.config.fp8, "ok": False}
+        wrong = _not_te_fp8(actor, kwargs)
+        if wrong:
+            return wrong
         b = batch(4, 512)
         losses = [o["loss"] for o in train(actor, b, 3)]
         fp8 = actor.compute_logprobs(b, micro_batch_size=2, with_entropy=False)["logprobs"]
