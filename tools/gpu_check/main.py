@@ -166,11 +166,13 @@ class Runner:
         detail["seconds"] = round(time.monotonic() - start, 2)
         self.add("bundle", "bundle", status, detail)
 
-    def group(self, group: str, later: int) -> None:
+    def selected(self, group: str) -> list[str]:
         only = set(filter(None, self.args.only.split(",")))
-        names = [c.name for c in group_checks(group) if not only or group in only or c.name in only]
-        if not names:
-            return
+        return [c.name for c in group_checks(group) if not only or group in only or c.name in only]
+
+    def group(self, group: str, later: int) -> None:
+        """Run one group; `later`: how many selected groups still follow (each keeps RESERVE_S)."""
+        names = self.selected(group)
         budgets = [min(c.budget_s, self.args.check_timeout or c.budget_s) for c in group_checks(group) if c.name in names]
         limit = min(sum(budgets) + 30,
                     self.left() - RESERVE_S * later)
@@ -250,8 +252,9 @@ def main(argv=None) -> int:
     only = set(filter(None, args.only.split(",")))
     if not only or "bundle" in only or "smoke" in only or "te_smoke" in only:
         runner.bundle()
-    for i, group in enumerate(GROUPS):
-        runner.group(group, later=len(GROUPS) - i - 1)
+    groups = [g for g in GROUPS if runner.selected(g)]
+    for i, group in enumerate(groups):
+        runner.group(group, later=len(groups) - i - 1)
     return runner.summary()
 
 

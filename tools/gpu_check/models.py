@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 _PARALLEL = None
 VOCAB = 32000
 
@@ -60,6 +58,7 @@ def actor_of(cfg, model=None, lr: float = 1e-4):
 
 def batch(rows: int, seq: int, vocab: int = VOCAB, seed: int = 0) -> dict:
     """Random tokens, a loss mask over a response part of varying length, random advantages."""
+    import torch
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(seq // 2, seq + 1, (rows,), generator=gen)
     mask = torch.zeros(rows, seq)
@@ -71,6 +70,8 @@ def batch(rows: int, seq: int, vocab: int = VOCAB, seed: int = 0) -> dict:
 
 def loss_fn(denominator: float):
     """A policy-gradient-shaped loss: -sum(logprob * advantage * mask) / denominator."""
+    import torch
+
     def fn(logprobs, entropy, mb):
         total = -(logprobs * mb["advantages"] * mb["loss_mask"]).sum()
         return total / denominator, {"pg": torch.stack([total.detach().double(), mb["loss_mask"].sum().double()])}
@@ -82,7 +83,8 @@ def train(actor, b: dict, steps: int, mbs: int = 2, **kw) -> list[dict]:
     return [actor.train_step(b, fn, micro_batch_size=mbs, **kw) for _ in range(steps)]
 
 
-def masked_max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+def masked_max_diff(a, b, mask) -> float:
+    """max |a - b| over mask > 0 (tensors [B, S])."""
     on = mask > 0
     return float((a[on] - b[on]).abs().max())
 
