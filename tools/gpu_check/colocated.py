@@ -38,7 +38,8 @@ def _free_port() -> int:
 
 
 def tcp_spawn(ctx):
-    backend = "gloo" if ctx.dry else "nccl"
+    import torch
+    backend = "nccl" if not ctx.dry and torch.cuda.is_available() else "gloo"
     ports = [_free_port() for _ in range(3)]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={ports[0]}",
             PROCS, "worker", "--backend", backend, "--tp-port", str(ports[1]), "--weights-port", str(ports[2]),
