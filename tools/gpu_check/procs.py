@@ -87,6 +87,9 @@ def server(args) -> int:
     dist.broadcast(got, src=0, group=group)
     expected = float(torch.arange(1024, dtype=torch.float32).sum())
     print(f"SERVER tp_group={args.backend} probe={float(probe.sum())} received {float(got.sum())}", flush=True)
+    # Tear down before exit: a gloo group left to the interpreter's shutdown can abort the process.
+    dist.destroy_process_group(group)
+    dist.destroy_process_group()
     return 0 if float(got.sum()) == expected else 1
 
 
