@@ -10,6 +10,7 @@ Budget: each check has its own alarm (common.Check.budget_s); each group's proce
 the call's budget runs out (less a reserve for the groups after it), its unfinished checks FAIL
 with "killed", and the summary is written all the same. --dry-run runs on CPU: the bundle's
 layout, every module's imports and each check's CPU-side part; the checks that need CUDA SKIP.
+The dry mode runs its groups at once (--jobs); with CUDA they run one after the other.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def parse_args(argv=None):
                     help="seconds: caps every check's own timeout (default: each check's budget)")
     ap.add_argument("--stall", action="append", default=[], metavar="CHECK=SECONDS",
                     help="sleep before CHECK (tests of the budget machinery)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="groups at once (default: 1 with CUDA, whose groups share the GPU; all in the dry mode)")
     ap.add_argument("--group", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -83,6 +86,12 @@ def parse_args(argv=None):
             ap.error(f"--stall {item!r}: expected CHECK=SECONDS with a known check")
         stall[name] = float(seconds)
     args.stall = stall
+    if args.jobs < 0:
+        ap.error(f"--jobs must be >= 1 (0: the default), got {args.jobs}")
+    if args.jobs == 0:
+        args.jobs = len(GROUPS) if args.dry_run else 1
+    if args.jobs > 1 and not args.dry_run:
+        ap.error("--jobs > 1 is for the dry mode only: the groups' measurements share one GPU")
     return args
 
 
@@ -170,50 +179,73 @@ class Runner:
         only = set(filter(None, self.args.only.split(",")))
         return [c.name for c in group_checks(group) if not only or group in only or c.name in only]
 
-    def group(self, group: str, later: int) -> None:
-        """Run one group; `later`: how many selected groups still follow (each keeps RESERVE_S)."""
+    def run_groups(self, groups: list[str]) -> None:
+        """--jobs groups at a time (1 with CUDA: the GPU is shared). Only this process prints the
+        check lines, as the groups' result files grow, so lines never interleave."""
+        pending, running = list(groups), []
+        while pending or running:
+            while pending and len(running) < self.args.jobs:
+                group = pending.pop(0)
+                started = self.start_group(group, later=len(pending) if self.args.jobs == 1 else 0)
+                running += [started] if started else []
+            time.sleep(0.2)
+            for r in list(running):
+                self._drain(r)
+                over = time.monotonic() > r["deadline"]
+                if r["proc"].poll() is None and not over:
+                    continue
+                if r["proc"].poll() is None:
+                    os.killpg(r["proc"].pid, signal.SIGKILL)  # the group and everything it started
+                r["proc"].wait()
+                self._drain(r)
+                self._finish(r, killed=over)
+                running.remove(r)
+
+    def start_group(self, group: str, later: int) -> dict | None:
+        """Start one group's process; `later`: selected groups still to start after it (each keeps
+        RESERVE_S). None when no time is left for it (its checks SKIP)."""
         names = self.selected(group)
         budgets = [min(c.budget_s, self.args.check_timeout or c.budget_s) for c in group_checks(group) if c.name in names]
-        limit = min(sum(budgets) + 30,
-                    self.left() - RESERVE_S * later)
+        limit = min(sum(budgets) + 30, self.left() - RESERVE_S * later)
         if limit < RESERVE_S:
             for name in names:
                 self.add(name, group, "SKIP", {"reason": f"budget: {self.left():.0f} s left of {self.args.budget:.0f}"})
-            return
+            return None
         results = tempfile.NamedTemporaryFile(prefix=f"gpu_check_{group}_", suffix=".jsonl", delete=False).name
         argv = [sys.executable, os.path.join(HERE, "main.py"), "--group", group, "--results", results,
-                "--out", self.args.out, "--only", self.args.only]
+                "--out", self.args.out, "--only", self.args.only, f"--check-timeout={self.args.check_timeout}"]
         argv += ["--dry-run"] if self.args.dry_run else []
         argv += [f"--stall={k}={v}" for k, v in self.args.stall.items()]
-        argv += [f"--check-timeout={self.args.check_timeout}"]
-        killed = self._run(argv, limit)
-        self._collect(results, group, names, killed, limit)
-
-    def _run(self, argv, limit: float) -> bool:
-        """Run a group's process (and everything it starts) in its own session; kill it at the limit."""
         with open(os.path.join(self.args.out, "groups.log"), "a") as log:
-            proc = subprocess.Popen(argv, env=self.env, cwd=ROOT, stderr=log, start_new_session=True)
-            try:
-                proc.wait(timeout=limit)
-                return False
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return True
+            # Its own session: at the limit, the group and everything it started are killed together.
+            proc = subprocess.Popen(argv, env=self.env, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
+        return {"group": group, "names": names, "proc": proc, "results": results, "limit": limit,
+                "deadline": time.monotonic() + limit, "offset": 0}
 
-    def _collect(self, results: str, group: str, names: list[str], killed: bool, limit: float) -> None:
-        with open(results) as f:
-            for line in f:
-                record = json.loads(line)
-                if "device" in record:
-                    self.device = self.device or record["device"]
-                else:
-                    self.emit(record)
-        os.unlink(results)
-        why = f"killed at the group's limit of {limit:.0f} s (budget)" if killed else "the group's process ended early"
-        for name in names:
+    def _drain(self, r: dict) -> None:
+        """Print and keep the complete records the group has written since the last look."""
+        from common import format_line
+        with open(r["results"]) as f:
+            f.seek(r["offset"])
+            text = f.read()
+        complete = text[:text.rfind("\n") + 1]
+        r["offset"] += len(complete.encode())
+        for line in complete.splitlines():
+            record = json.loads(line)
+            if "device" in record:
+                self.device = self.device or record["device"]
+                print(f"device {json.dumps(record['device'])}", flush=True)
+                continue
+            print(format_line(record["status"], record["name"], record["detail"]), flush=True)
+            self.emit(record)
+
+    def _finish(self, r: dict, killed: bool) -> None:
+        os.unlink(r["results"])
+        why = (f"killed at the group's limit of {r['limit']:.0f} s (budget)" if killed
+               else f"the group's process ended with rc={r['proc'].returncode} (see groups.log)")
+        for name in r["names"]:
             if name not in self.records:
-                self.add(name, group, "FAIL", {"error": why})
+                self.add(name, r["group"], "FAIL", {"error": why})
 
     def summary(self) -> int:
         counts = {s: sum(r["status"] == s for r in self.records.values()) for s in ("PASS", "FAIL", "SKIP")}
@@ -252,9 +284,7 @@ def main(argv=None) -> int:
     only = set(filter(None, args.only.split(",")))
     if not only or "bundle" in only or "smoke" in only or "te_smoke" in only:
         runner.bundle()
-    groups = [g for g in GROUPS if runner.selected(g)]
-    for i, group in enumerate(groups):
-        runner.group(group, later=len(groups) - i - 1)
+    runner.run_groups([g for g in GROUPS if runner.selected(g)])
     return runner.summary()
 
 
