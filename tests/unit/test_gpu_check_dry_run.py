@@ -164,17 +164,28 @@ def test_a_check_past_its_timeout_fails_and_the_summary_is_written(tmp_path):
 
 
 def test_the_call_stops_itself_inside_its_budget(tmp_path):
-    """A group that outlives the call's budget is killed (with what it started); its checks FAIL, the
-    groups after it SKIP for want of time, and the summary is still written."""
-    out, seconds = run_tool("--dry-run", "--jobs", "1", "--out", str(tmp_path), "--budget", "20",
+    """A group that outlives its share of the budget is killed (with what it started) and its checks
+    FAIL; the group after it still gets its floor of time and runs; the summary is written."""
+    import main
+
+    budget = 40
+    out, seconds = run_tool("--dry-run", "--jobs", "1", "--out", str(tmp_path), "--budget", str(budget),
                             "--only", "cuda_graph_inplace,plan_peak_local", "--stall", "cuda_graph_inplace=300")
     seen = lines(out.stdout)
-    assert out.returncode == 1 and seconds < 60
-    assert seen["cuda_graph_inplace"] == ("FAIL", {"error": seen["cuda_graph_inplace"][1]["error"]})
-    assert "killed at the group's limit" in seen["cuda_graph_inplace"][1]["error"]
-    assert seen["plan_peak_local"][0] == "SKIP" and seen["plan_peak_local"][1]["reason"].startswith("budget")
+    share = budget - main.GROUP_TIME["plan_peak"][1]  # 15 s for the colocated group
+    assert out.returncode == 1 and seconds < budget + 10
+    assert seen["cuda_graph_inplace"] == ("FAIL", {"error": f"killed at the group's limit of {share} s (budget)"})
+    assert seen["plan_peak_local"][0] == "SKIP"
+    assert seen["plan_peak_local"][1]["reason"].startswith("dry-run: CPU-side part ran")
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert summary["elapsed_s"] < 20 + 5 and summary["counts"]["FAIL"] == 1
+    assert summary["elapsed_s"] < budget and summary["counts"] == {"PASS": 0, "FAIL": 1, "SKIP": 1}
+
+
+def test_a_group_with_no_time_left_is_not_started(tmp_path):
+    out, _ = run_tool("--dry-run", "--out", str(tmp_path), "--budget", "5", "--only", "cuda_graph_inplace")
+    status, detail = lines(out.stdout)["cuda_graph_inplace"]
+    assert status == "SKIP" and re.fullmatch(r"budget: [45] s left of 5", detail["reason"])
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["counts"]["SKIP"] == 1
 
 
 @pytest.mark.parametrize("args, message", [

@@ -31,8 +31,12 @@ GROUPS = ("smoke", "numerics", "te_path", "colocated", "plan_peak", "perf", "com
 """In run order: the most informative first, so that a budget overrun cuts the least."""
 MODULE_OF = {"smoke": "commands", "commands": "commands"}
 SMOKE = ("te_smoke",)
+GROUP_TIME = {"smoke": (60, 15), "numerics": (45, 15), "te_path": (120, 40), "colocated": (90, 30),
+              "plan_peak": (70, 25), "perf": (120, 45), "commands": (180, 40)}
+"""group -> (cap, floor) in seconds: a group is killed after its cap, and keeps the floors of the
+groups after it free (expected times on an H100 / H200 are about half the caps)."""
 RESERVE_S = 8.0
-"""Seconds kept for each group still to run (its process start and a first line)."""
+"""A group with less than this left is not started (its checks SKIP)."""
 SCHEMA = 1
 RATIOS = {
     "train_fp8_over_bf16_tokens_per_s": "FP8 (blockwise) / BF16 train-step tokens/s, Qwen3-1.7B shape, TE spec",
@@ -186,7 +190,7 @@ class Runner:
         while pending or running:
             while pending and len(running) < self.args.jobs:
                 group = pending.pop(0)
-                started = self.start_group(group, later=len(pending) if self.args.jobs == 1 else 0)
+                started = self.start_group(group, later=pending if self.args.jobs == 1 else [])
                 running += [started] if started else []
             time.sleep(0.2)
             for r in list(running):
@@ -201,12 +205,13 @@ class Runner:
                 self._finish(r, killed=over)
                 running.remove(r)
 
-    def start_group(self, group: str, later: int) -> dict | None:
-        """Start one group's process; `later`: selected groups still to start after it (each keeps
-        RESERVE_S). None when no time is left for it (its checks SKIP)."""
+    def start_group(self, group: str, later: list[str]) -> dict | None:
+        """Start one group's process; `later`: the selected groups to start after it (their floors
+        stay free). None when no time is left for it (its checks SKIP)."""
         names = self.selected(group)
         budgets = [min(c.budget_s, self.args.check_timeout or c.budget_s) for c in group_checks(group) if c.name in names]
-        limit = min(sum(budgets) + 30, self.left() - RESERVE_S * later)
+        cap = GROUP_TIME[group][0]
+        limit = min(cap, sum(budgets) + 30, self.left() - sum(GROUP_TIME[g][1] for g in later))
         if limit < RESERVE_S:
             for name in names:
                 self.add(name, group, "SKIP", {"reason": f"budget: {self.left():.0f} s left of {self.args.budget:.0f}"})
