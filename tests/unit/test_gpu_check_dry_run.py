@@ -33,7 +33,7 @@ def _add(tar: tarfile.TarFile, name: str, text: str = "") -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def make_bundle(folder: Path, *, torchao: bool = True) -> Path:
+def make_bundle(folder: Path, *, torchao: bool = True, tag: str = "cp312") -> Path:
     """A bundle laid out as the real one, with stub packages: the TE tarball (+ one of TE's deps), the
     megatron-core wheel and torchao's wheel with its stray top-level test/ package."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -41,7 +41,7 @@ def make_bundle(folder: Path, *, torchao: bool = True) -> Path:
         _add(tar, "transformer_engine/__init__.py", "__version__ = '2.11.0'\n")
         _add(tar, "transformer_engine/pytorch/__init__.py")
         _add(tar, "einops/__init__.py")
-    with zipfile.ZipFile(folder / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl", "w") as z:
+    with zipfile.ZipFile(folder / f"megatron_core-0.16.1-{tag}-{tag}-manylinux_2_28_x86_64.whl", "w") as z:
         z.writestr("megatron/core/__init__.py", "")
         z.writestr("megatron_core-0.16.1.dist-info/METADATA", "Name: megatron-core\n")
     if torchao:
@@ -139,6 +139,22 @@ def test_dry_run_runs_each_checks_cpu_part_and_writes_the_summary(tmp_path):
     assert sorted((out_dir / "gpu_check.txt").read_text().splitlines()) == sorted(
         ln for ln in out.stdout.splitlines() if LINE.match(ln))  # groups ran at once: any order
     assert len(list(out_dir.iterdir())) <= 8  # what the device call brings back: 8 files at most
+
+
+def test_dry_run_imports_the_bundle_where_it_matches_this_python(tmp_path):
+    """The stub bundle, tagged for this interpreter, is unpacked and imported in front of everything
+    else (its stub megatron shadows the installed one)."""
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    out, _ = run_tool("--dry-run", "--out", str(tmp_path / "o"), "--bundle", str(make_bundle(tmp_path / "b", tag=tag)),
+                      "--only", "bundle")
+    status, detail = lines(out.stdout)["bundle"]
+    assert status == "PASS" and detail["import"] == "ok: TE 2.11.0", detail
+    broken = make_bundle(tmp_path / "c", tag=tag)
+    with zipfile.ZipFile(broken / "torchao-0.18.0-py3-none-any.whl", "w") as z:
+        z.writestr("torchao/__init__.py", "raise ImportError('torchao stub is broken')\n")
+    out, _ = run_tool("--dry-run", "--out", str(tmp_path / "p"), "--bundle", str(broken), "--only", "bundle")
+    status, detail = lines(out.stdout)["bundle"]
+    assert status == "FAIL" and "torchao stub is broken" in detail["import"]
 
 
 def test_a_server_started_from_a_torchrun_worker_joins_over_tcp(tmp_path):

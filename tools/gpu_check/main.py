@@ -163,7 +163,9 @@ class Runner:
             self.add("bundle", "bundle", "SKIP", {"reason": f"no bundle folder {self.args.bundle}"})
             return
         try:
-            if self.args.dry_run:
+            if self.args.dry_run and bundle.python_tag() in bundle.layout(self.args.bundle)["python_tags"]:
+                detail = self._unpack_and_import()  # a CPU machine with the bundle's Python: TE imports there
+            elif self.args.dry_run:
                 detail = bundle.layout(self.args.bundle)
                 detail["import"] = ("skipped: the bundle is for " + ",".join(detail["python_tags"]) +
                                     f", this Python is {bundle.python_tag()}")
@@ -178,6 +180,18 @@ class Runner:
             status, detail = "FAIL", {"error": f"{type(err).__name__}: {err}"}
         detail["seconds"] = round(time.monotonic() - start, 2)
         self.add("bundle", "bundle", status, detail)
+
+    def _unpack_and_import(self) -> dict:
+        import bundle
+        dest = tempfile.mkdtemp(prefix="te_bundle_")
+        detail = bundle.unpack(self.args.bundle, dest)
+        probe = "import transformer_engine.pytorch, megatron.core, torchao; print(transformer_engine.__version__)"
+        out = subprocess.run([sys.executable, "-c", probe], env=bundle.environment(dest, self.env),
+                             capture_output=True, text=True, timeout=120)
+        detail["import"] = f"ok: TE {out.stdout.strip()}" if out.returncode == 0 else f"failed: {out.stderr[-400:]}"
+        if out.returncode:
+            detail["missing"] = detail["missing"] or ["(import failed)"]
+        return detail
 
     def selected(self, group: str) -> list[str]:
         only = set(filter(None, self.args.only.split(",")))
