@@ -113,7 +113,7 @@ def test_performance_table_shows_only_measured_numbers_with_the_device():
 
 def test_dry_run_runs_each_checks_cpu_part_and_writes_the_summary(tmp_path):
     out_dir = tmp_path / "out"
-    only = "bundle,smoke,numerics,te_path,plan_peak,perf,ipc_tensor_sync,offload_mem_get_info,cuda_graph_inplace,tiny_loop"
+    only = "bundle,te_smoke,numerics,te_path,plan_peak,perf,ipc_tensor_sync,offload_mem_get_info,cuda_graph_inplace,tiny_loop"
     out, _ = run_tool("--dry-run", "--out", str(out_dir), "--bundle", str(make_bundle(tmp_path / "b")),
                       "--only", only)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -30,8 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 GROUPS = ("smoke", "numerics", "te_path", "colocated", "plan_peak", "perf", "commands")
 """In run order: the most informative first, so that a budget overrun cuts the least."""
 MODULE_OF = {"smoke": "commands", "commands": "commands"}
-SMOKE = ("te_smoke",)
-GROUP_TIME = {"smoke": (60, 15), "numerics": (45, 15), "te_path": (120, 40), "colocated": (90, 30),
+SMOKE = ("te_smoke", "te_parity")
+"""The first group: TE's own smoke test, then TE's quantizers against the emulation, bitwise."""
+GROUP_TIME = {"smoke": (120, 30), "numerics": (45, 15), "te_path": (120, 40), "colocated": (90, 30),
               "plan_peak": (70, 25), "perf": (120, 45), "commands": (180, 40)}
 """group -> (cap, floor) in seconds: a group is killed after its cap, and keeps the floors of the
 groups after it free (expected times on an H100 / H200 are about half the caps)."""
