@@ -15,7 +15,7 @@
 # Prints `PASS|FAIL|SKIP <check> <json detail>` per check, then writes OUT/gpu_check.json (summary:
 # checks, ratios, device), OUT/performance.md (README's performance rows) and logs (gpu_check.txt,
 # groups.log, commands.log, tiny_loop.log, doctor.json). Exit 1 when a check fails. Each check has its
-# own timeout and the whole call stops itself inside --budget (default 450 s) with the summary written.
+# own timeout and the whole call stops itself inside --budget (default 470 s) with the summary written.
 # --dry-run runs on CPU whatever needs no CUDA (arguments, the bundle's layout, each check's CPU part).
 set -uo pipefail
 PYTHON="${PYTHON:-python3}"

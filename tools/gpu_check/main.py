@@ -67,7 +67,7 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU only: everything that does not need CUDA")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="folder of the summary")
     ap.add_argument("--bundle", default=".gpu", help="the carried TE bundle folder (tarball, wheels, te_smoke.py)")
-    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole call (default 450)")
+    ap.add_argument("--budget", type=float, default=470.0, help="seconds for the whole call (default 470: under 8 minutes)")
     ap.add_argument("--only", default="", help="comma-separated groups or checks to run (default all)")
     ap.add_argument("--check-timeout", type=float, default=0.0,
                     help="seconds: caps every check's own timeout (default: each check's budget)")
