@@ -86,7 +86,9 @@ def packed_thd(ctx):
 def recompute_full(ctx):
     import torch
     results = {}
-    for mode in ("none", "full"):
+    cfgs = {mode: cfg_of(f"parallel.recompute_granularity={mode}", "parallel.recompute_num_layers=1")
+            for mode in ("none", "full")}  # both checked at load, in the dry mode too
+    for mode in cfgs:
         cfg, _, _ = _te_cfg(ctx, f"parallel.recompute_granularity={mode}", "parallel.recompute_num_layers=1")
         torch.manual_seed(0)
         actor = actor_of(cfg)
