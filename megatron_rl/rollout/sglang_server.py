@@ -107,8 +107,15 @@ SERVER_ENV_DEFAULTS = {
 }
 
 
+# torchrun tells its workers to rendezvous through its agent's store: with this set, torch's tcp://
+# rendezvous (torch/distributed/rendezvous.py _create_c10d_store) makes only a CLIENT of the store,
+# so a server started from a torchrun worker waited forever for a master in its own
+# init_process_group(init_method="tcp://...") and in /init_weights_update_group.
+TORCHRUN_ONLY_ENV = ("TORCHELASTIC_USE_AGENT_STORE",)
+
+
 def launch_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ONLY_ENV}
     for key, value in SERVER_ENV_DEFAULTS.items():
         env.setdefault(key, value)
     return env
