@@ -97,3 +97,48 @@ def test_heldout_stage_runs_the_primary_pair_first_and_reports_intervals(tmp_pat
     assert 0.0 <= start <= 1.0 and 0.0 <= end <= 1.0
     assert "| heldout_nvfp4_tis vs heldout_nvfp4_calibrated_tis |" in md
     assert (tmp_path / "heldout" / "heldout.png").stat().st_size > 1000
+
+
+def test_rivals_stage_is_declared_loads_and_reports_against_its_reference(tmp_path):
+    """The second held-out study: every arm is a valid config whose knob reaches the config, the
+    primary block (reference, forced ratio, BF16 old log-probs, CC) runs first, and the report takes
+    differences against the reference arm (synthetic finished runs, difference worked out by hand)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
+    from run import HELDOUT_EVAL, RIVAL_ARMS, RIVAL_SEEDS, heldout_jobs
+
+    from megatron_rl.config import load_config
+
+    surge = ROOT / "examples" / "reproduce" / "surge.yaml"
+    cfgs = {arm: load_config(surge, [*HELDOUT_EVAL, *o]) for arm, o in RIVAL_ARMS.items()}
+    assert cfgs["rivals_nvfp4_force_tis"].algo.force_on_policy_ratio
+    assert cfgs["rivals_nvfp4_bf16_old_tis"].algo.old_logprob_precision == "bf16"
+    assert cfgs["rivals_nvfp4_calibrated_tis"].calib.enabled
+    assert cfgs["rivals_nvfp4_icepop"].algo.tis_mode == "icepop"
+    assert cfgs["rivals_nvfp4_dual_clip_tis"].algo.eps_clip_c == 3.0
+    assert all(c.precision.train_recipe == "nvfp4" and c.algo.use_tis and c.train.num_steps == 150
+               for c in cfgs.values())
+    assert sum(c.algo.force_on_policy_ratio for c in cfgs.values()) == 1  # one knob per arm
+    order = heldout_jobs(RIVAL_ARMS, RIVAL_SEEDS, list(RIVAL_ARMS)[:4])
+    assert len(order) == 24 and {n for n, _ in order[:16]} == set(list(RIVAL_ARMS)[:4])
+
+    runs = tmp_path / "runs"
+    finals = {("rivals_nvfp4_tis", 1): 0.1, ("rivals_nvfp4_tis", 2): 0.3,
+              ("rivals_nvfp4_force_tis", 1): 0.4, ("rivals_nvfp4_force_tis", 2): 0.6}
+    for (arm, seed), acc in finals.items():
+        d = runs / f"{arm}_seed{seed}"
+        d.mkdir(parents=True)
+        records = [{"step": 0, "eval/heldout/avg@4": 0.2, "eval/heldout/bf16/avg@4": 0.2, "entropy": 0.2},
+                   {"step": 1, "eval/heldout/avg@4": acc, "eval/heldout/bf16/avg@4": acc, "entropy": 0.3}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (d / "done").write_text("ok\n")
+    stats = [sys.executable, str(ROOT / "examples" / "reproduce" / "heldout_stats.py"), "--study", "rivals",
+             "--runs-dir", str(runs), "--out", str(tmp_path / "rivals")]
+    proc = subprocess.run(stats, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (tmp_path / "rivals" / "report.md").read_text()
+    assert "4 of the 24 declared runs finished (seeds 1-4" in md
+    row = next(line for line in md.splitlines() if line.startswith("| rivals_nvfp4_force_tis |"))
+    assert [c.strip() for c in row.strip("|").split("|")][5].startswith("+0.300 [")  # 0.5 - 0.2
+    assert "| rivals_nvfp4_tis vs rivals_nvfp4_force_tis |" in md
