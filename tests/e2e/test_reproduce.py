@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "train.sft_steps=20",
          "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
@@ -142,3 +144,31 @@ def test_rivals_stage_is_declared_loads_and_reports_against_its_reference(tmp_pa
     row = next(line for line in md.splitlines() if line.startswith("| rivals_nvfp4_force_tis |"))
     assert [c.strip() for c in row.strip("|").split("|")][5].startswith("+0.300 [")  # 0.5 - 0.2
     assert "| rivals_nvfp4_tis vs rivals_nvfp4_force_tis |" in md
+
+
+def test_mechanism_script_on_the_tiny_model(tmp_path):
+    """mechanism.py end to end on the tiny model: at theta_old the BF16 path's log-ratio is exactly 0
+    (the recompute is bit-reproducible), per-tensor FP8 widens it through the mini-batch's other
+    composition alone, and after updates both move."""
+    import json
+
+    cmd = [sys.executable, str(ROOT / "examples" / "reproduce" / "mechanism.py"), "--model", "tiny",
+           "--recipes", "bf16", "tensorwise", "--batches", "2", "--steps", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["recipe"]: r for r in json.loads((tmp_path / "mechanism.json").read_text())["results"]}
+    for recipe, res in results.items():
+        assert len(res["batches"]) == 2 and len(res["calibrated_oos"]) == 1
+        for b in res["batches"]:
+            at_old = b["step0"]
+            assert at_old["log_r_bf16"]["std"] == 0.0 and at_old["log_r_bf16"]["q99.9"] == 0.0
+            assert b["step1"]["log_r_bf16"]["std"] > 0.0 and b["step2"]["log_r_bf16"]["std"] > b["step1"]["log_r_bf16"]["std"]
+            for state in b.values():  # at one bound: false - missed = FP share below - BF16 share below
+                c = state["clip"]
+                if c["neg_tokens"]:
+                    assert c["false_low"] - c["missed_low"] == pytest.approx(c["below_fp"] - c["below_bf16"], abs=1e-12)
+            if recipe == "bf16":
+                assert at_old["log_r_fp"]["std"] == 0.0 and b["step1"]["log_r_fp"] == b["step1"]["log_r_bf16"]
+            else:
+                assert at_old["log_r_fp"]["std"] > 1e-3
+    assert "| tensorwise | step0 |" in (tmp_path / "mechanism.md").read_text()
