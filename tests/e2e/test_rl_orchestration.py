@@ -282,3 +282,21 @@ def test_forced_on_policy_ratio_is_one_on_the_first_mini_batch_only(root, mini_b
     if mini_batches == 2:
         assert noisy == later == len(trace.steps)  # not vacuous: both kinds of mini-batch were checked
         assert trace.steps[-1].metrics["log_ratio/std"] > 0.01
+
+
+def test_bf16_old_logprobs_feed_the_loss_and_cost_the_exact_ratio_at_theta_old(root):
+    """algo.old_logprob_precision=bf16: the one old-log-prob pass runs on the BF16 path before any
+    update, and the loss's ratio is FP8(theta) / BF16(theta_old): under blockwise FP8, whose own
+    recompute is exact at theta_old, the first mini-batch now sees the FP8-vs-BF16 gap."""
+    trace = trace_run(root / "bf16_old", CONFIG, "train.num_steps=1", "calib.enabled=false",
+                      "algo.old_logprob_precision=bf16")
+    (step,) = trace.steps
+    start, a = _first_update(step), trace.cfg.algo
+    assert [(e.updates, e.data["fp8"]) for e in step.of("logprobs")] == [(start, False)]
+    for e in step.of("loss"):
+        den = {t.updates: float(_response(t.data["batch"]).sum()) for t in step.of("train")}[e.updates]
+        expected = _vanilla_loss(e, e.data["mb"]["old_logprobs"], den, 1 - a.eps_clip, 1 + a.eps_clip_high, a.tis_clip)
+        assert e.data["loss"] == pytest.approx(expected, rel=1e-5)
+    at_old = [e for e in step.of("loss") if e.updates == start]
+    gap = torch.cat([(e.data["logprobs"] - e.data["mb"]["old_logprobs"])[_response(e.data["mb"])] for e in at_old])
+    assert float(gap.abs().max()) > 1e-3 and step.metrics["noise/log_ratio_std_at_old"] > 1e-4
