@@ -3,6 +3,7 @@ beyond TIS?") from the finished runs of `run.py --study surge --stage heldout`:
 
   python examples/reproduce/heldout_stats.py [--runs-dir runs/surge_heldout] [--out docs/reproduction/surge/heldout]
   python examples/reproduce/heldout_stats.py --runs-dir runs/sweep     # the same grid run by slurm/sweep.sbatch
+  python examples/reproduce/heldout_stats.py --study rivals             # the second study (--stage rivals)
 
 Writes report.md (per-arm table, Fisher tests, per-run table) and heldout.png (held-out avg@4 over
 steps, mean and +-1 standard deviation across seeds, in the rollout precision and in BF16).
@@ -23,7 +24,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import HELDOUT_ARMS, HELDOUT_REFERENCE, HELDOUT_SEEDS  # noqa: E402
+from run import HELDOUT_ARMS, HELDOUT_REFERENCE, HELDOUT_SEEDS, RIVAL_ARMS, RIVAL_REFERENCE, RIVAL_SEEDS  # noqa: E402
 
 from megatron_rl.telemetry.logger import read_jsonl  # noqa: E402
 from megatron_rl.telemetry.stats import bootstrap_diff_ci, fisher_exact  # noqa: E402
@@ -33,6 +34,16 @@ ACC_BF16 = "eval/heldout/bf16/avg@4"
 FISHER_PAIRS = [("heldout_nvfp4_tis", "heldout_nvfp4_calibrated_tis"),  # primary
                 ("heldout_nvfp4_gspo_tis", "heldout_nvfp4_gspo_seq_calibrated_tis"),
                 *((arm, "heldout_bf16_tis") for arm in HELDOUT_ARMS if arm != "heldout_bf16_tis")]
+# The studies this script reports: (arms, reference arm, declared seeds, Fisher pairs, title, runs, out).
+STUDIES = {
+    "heldout": (HELDOUT_ARMS, HELDOUT_REFERENCE, HELDOUT_SEEDS, FISHER_PAIRS,
+                "Held-out surge study: does Calibrated Clipping help beyond TIS?",
+                "runs/surge_heldout", "docs/reproduction/surge/heldout"),
+    "rivals": (RIVAL_ARMS, RIVAL_REFERENCE, RIVAL_SEEDS,
+               [(RIVAL_REFERENCE, arm) for arm in RIVAL_ARMS if arm != RIVAL_REFERENCE],
+               "Second held-out study: Calibrated Clipping against its cheapest rivals",
+               "runs/surge_rivals", "docs/reproduction/surge/rivals"),
+}
 
 
 def finished(run_dir: Path) -> bool:
@@ -47,9 +58,9 @@ def finished(run_dir: Path) -> bool:
     return bool(records) and records[-1]["step"] + 1 == steps
 
 
-def load(runs_dir: Path) -> dict[str, dict[int, list[dict]]]:
+def load(runs_dir: Path, arms=HELDOUT_ARMS) -> dict[str, dict[int, list[dict]]]:
     """arm -> seed -> records, finished runs only."""
-    out: dict[str, dict[int, list[dict]]] = {arm: {} for arm in HELDOUT_ARMS}
+    out: dict[str, dict[int, list[dict]]] = {arm: {} for arm in arms}
     for d in sorted(runs_dir.glob("*_seed*")):
         m = re.fullmatch(r"(.+)_seed(\d+)", d.name)
         if m and m[1] in out and finished(d):
@@ -112,12 +123,12 @@ def ci_cell(a: list[float], b: list[float]) -> str:
     return f"{diff:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
-def arm_table(data: dict[str, dict[int, list[dict]]]) -> str:
-    ref = data[HELDOUT_REFERENCE]
+def arm_table(data: dict[str, dict[int, list[dict]]], reference: str = HELDOUT_REFERENCE) -> str:
+    ref = data[reference]
     ref_acc = [final(r, ACC) for r in ref.values()]
     ref_bf16 = [final(r, ACC_BF16) for r in ref.values()]
     head = ("| arm | seeds | entropy surges (onsets) | garbled surges (onsets) | held-out avg@4 start -> end "
-            f"| end minus {HELDOUT_REFERENCE} [95% CI] | held-out avg@4 in BF16, end | BF16 end minus reference "
+            f"| end minus {reference} [95% CI] | held-out avg@4 in BF16, end | BF16 end minus reference "
             "[95% CI] | pass@4 end | eval gap rollout - BF16, end | held-out garbled, end | false lower clip A<0 "
             "| reward first -> last quarter |")
     rows = [head, "|" + "---|" * 13]
@@ -137,8 +148,8 @@ def arm_table(data: dict[str, dict[int, list[dict]]]) -> str:
         rows.append(
             f"| {arm} | {n} ({','.join(map(str, sorted(runs)))}) | {len(ent)}/{n} {tuple(ent) if ent else ''} "
             f"| {len(gar)}/{n} {tuple(gar) if gar else ''} | {fmt(avg(first, ACC))} -> {fmt(statistics.mean(acc))} "
-            f"| {'' if arm == HELDOUT_REFERENCE else ci_cell(acc, ref_acc)} | {fmt(statistics.mean(bf16))} "
-            f"| {'' if arm == HELDOUT_REFERENCE else ci_cell(bf16, ref_bf16)} | {fmt(avg(final, 'eval/heldout/pass@4'))} "
+            f"| {'' if arm == reference else ci_cell(acc, ref_acc)} | {fmt(statistics.mean(bf16))} "
+            f"| {'' if arm == reference else ci_cell(bf16, ref_bf16)} | {fmt(avg(final, 'eval/heldout/pass@4'))} "
             f"| {fmt(avg(final, 'eval/heldout/rollout_minus_bf16/avg@4'), 3)} | {fmt(avg(final, 'eval/heldout/garbled_rate'))} "
             f"| {fmt(avg(mean_of, 'shadow/false_clip_low_neg'), 4)} "
             f"| {fmt(avg(first, 'reward/mean'))} -> {fmt(avg(last_quarter, 'reward/mean'))} |")
@@ -173,9 +184,9 @@ def mechanism_table(data: dict[str, dict[int, list[dict]]]) -> str:
     return "\n".join(rows)
 
 
-def fisher_table(data: dict[str, dict[int, list[dict]]]) -> str:
+def fisher_table(data: dict[str, dict[int, list[dict]]], pairs=FISHER_PAIRS) -> str:
     rows = ["| arms | entropy rule: surges, p | garbled rule: surges, p |", "|---|---|---|"]
-    for a, b in FISHER_PAIRS:
+    for a, b in pairs:
         ra, rb = data[a], data[b]
         if not ra or not rb:
             continue
@@ -235,26 +246,30 @@ def plot(data: dict[str, dict[int, list[dict]]], out_png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs-dir", default="runs/surge_heldout")
-    parser.add_argument("--out", default="docs/reproduction/surge/heldout")
+    parser.add_argument("--study", choices=sorted(STUDIES), default="heldout",
+                        help="heldout (run.py --stage heldout) or rivals (--stage rivals)")
+    parser.add_argument("--runs-dir", default=None, help="default: the study's (runs/surge_heldout, runs/surge_rivals)")
+    parser.add_argument("--out", default=None, help="default: docs/reproduction/surge/<study>")
     args = parser.parse_args(argv)
-    data = load(Path(args.runs_dir))
+    arms, reference, seeds, pairs, title, runs_dir, out_dir = STUDIES[args.study]
+    args.runs_dir, args.out = args.runs_dir or runs_dir, args.out or out_dir
+    data = load(Path(args.runs_dir), arms)
     done = sum(len(r) for r in data.values())
     if not done:
         raise SystemExit(f"no finished runs of the held-out study in {args.runs_dir}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(data, out / "heldout.png")
-    declared = len(HELDOUT_ARMS) * len(HELDOUT_SEEDS)
-    lines = ["# Held-out surge study: does Calibrated Clipping help beyond TIS?", "",
-             f"{done} of the {declared} declared runs finished (seeds {HELDOUT_SEEDS[0]}-{HELDOUT_SEEDS[-1]} "
+    declared = len(arms) * len(seeds)
+    lines = [f"# {title}", "",
+             f"{done} of the {declared} declared runs finished (seeds {seeds[0]}-{seeds[-1]} "
              "per arm; docs/reproduction.md has the declaration).", "",
-             "## Per arm", "", arm_table(data), "",
+             "## Per arm", "", arm_table(data, reference), "",
              "Held-out accuracy: the last evaluation (after the last update), 128 held-out chain prompts x 4 "
              "samples; intervals: bootstrap 95% of the difference of arm means (seeds resampled within each "
              "arm, 10,000 resamples). False lower clip: mean over the BF16-shadow steps (token arms: "
              "token ratios; GSPO arms: sequence ratios).", "",
-             "## Surge counts (two-sided Fisher exact test)", "", fisher_table(data), "",
+             "## Surge counts (two-sided Fisher exact test)", "", fisher_table(data, pairs), "",
              "## What the clipping did (seed means)", "", mechanism_table(data), "",
              "Over every step of each run; the shadow columns over the BF16-shadow steps; first / last quarter: "
              "of the logged steps.", "",

@@ -15,6 +15,8 @@ Two studies share this harness (resumable: a finished run is skipped; `--jobs` r
   python examples/reproduce/run.py --variants bf16 fp8_tensorwise --steps 3 --out /tmp/r  # a quick look
   python examples/reproduce/run.py --study surge --stage screen --jobs 2
   python examples/reproduce/run.py --study surge --stage arms --setting chain_nvfp4 --seeds 1 2 3 --jobs 2
+  python examples/reproduce/run.py --study surge --stage heldout --jobs 2   # does CC help beyond TIS?
+  python examples/reproduce/run.py --study surge --stage rivals --jobs 2    # CC against its cheap rivals
 """
 
 from __future__ import annotations
@@ -105,10 +107,30 @@ HELDOUT_SEEDS = list(range(1, 9))
 HELDOUT_REFERENCE = "heldout_nvfp4_tis"  # differences of held-out accuracy are taken against this arm
 
 
-def heldout_jobs(runs: dict[str, list[str]], seeds: list[int]) -> list[tuple[str, int]]:
-    """The declared run order: the primary pair (NVFP4 + TIS, + CC) over every seed first, then the
-    other arms seed by seed, so a cut budget leaves the primary comparison complete."""
-    primary = [n for n in runs if n in list(HELDOUT_ARMS)[:2]]
+# ---- the second held-out study (stage rivals; docs/reproduction.md, "Calibrated Clipping against its
+# cheapest rivals"): the held-out study's setting and outcomes, the rivals as arms. Declared before
+# any of its runs; the first four arms are the primary block (all seeds first).
+DIAGNOSE = ["calib.enabled=false", "calib.diagnose=true"]
+RIVAL_ARMS = {
+    "rivals_nvfp4_tis": [*PIPELINES["nvfp4"], *TIS_ON, *DIAGNOSE],  # the reference arm
+    "rivals_nvfp4_force_tis": [*PIPELINES["nvfp4"], *TIS_ON, *DIAGNOSE, "algo.force_on_policy_ratio=true"],
+    "rivals_nvfp4_bf16_old_tis": [*PIPELINES["nvfp4"], *TIS_ON, *DIAGNOSE, "algo.old_logprob_precision=bf16"],
+    "rivals_nvfp4_calibrated_tis": [*PIPELINES["nvfp4"], *TIS_ON, "calib.enabled=true"],
+    "rivals_nvfp4_icepop": [*PIPELINES["nvfp4"], *TIS_ON, *DIAGNOSE, "algo.tis_mode=icepop"],
+    "rivals_nvfp4_dual_clip_tis": [*PIPELINES["nvfp4"], *TIS_ON, *DIAGNOSE, "algo.eps_clip_c=3.0"],
+}
+RIVAL_PRIMARY = 4
+RIVAL_SEEDS = [1, 2, 3, 4]
+RIVAL_REFERENCE = "rivals_nvfp4_tis"
+
+
+def heldout_jobs(runs: dict[str, list[str]], seeds: list[int],
+                 primary_arms: list[str] | None = None) -> list[tuple[str, int]]:
+    """The declared run order: the primary arms (default: the held-out study's pair, NVFP4 + TIS and
+    + CC) over every seed first, then the other arms seed by seed, so a cut budget leaves the primary
+    comparison complete."""
+    primary_arms = list(HELDOUT_ARMS)[:2] if primary_arms is None else primary_arms
+    primary = [n for n in runs if n in primary_arms]
     rest = [n for n in runs if n not in primary]
     return [(n, s) for s in seeds for n in primary] + [(n, s) for s in seeds for n in rest]
 
@@ -167,6 +189,10 @@ def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
         return (HERE / "surge.yaml", {n: [*HELDOUT_EVAL, *o] for n, o in _subset(HELDOUT_ARMS, args.variants).items()},
                 "runs/surge_heldout", "docs/reproduction/surge/heldout",
                 "Held-out surge study: does Calibrated Clipping help beyond TIS?")
+    if args.stage == "rivals":
+        return (HERE / "surge.yaml", {n: [*HELDOUT_EVAL, *o] for n, o in _subset(RIVAL_ARMS, args.variants).items()},
+                "runs/surge_rivals", "docs/reproduction/surge/rivals",
+                "Second held-out study: Calibrated Clipping against its cheapest rivals")
     if not args.setting:
         raise SystemExit("--stage arms needs --setting (one of the grid's settings)")
     return (HERE / "surge.yaml", _subset(arm_runs(args.setting), args.variants), "runs/surge",
@@ -176,12 +202,13 @@ def _plan(args) -> tuple[Path, dict[str, list[str]], str, str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", choices=["precision", "surge"], default="precision")
-    parser.add_argument("--stage", choices=["screen", "arms", "heldout"], default="screen", help="surge study only")
+    parser.add_argument("--stage", choices=["screen", "arms", "heldout", "rivals"], default="screen",
+                        help="surge study only")
     parser.add_argument("--setting", default="", help="surge study, stage arms: a setting of the grid")
     parser.add_argument("--variants", nargs="*", default=None,
                         help="a subset of the study's runs (precision: variants; surge: run names of the stage)")
     parser.add_argument("--seeds", nargs="*", type=int, default=None,
-                        help="default: 1 (the held-out stage: its declared seeds 1-8)")
+                        help="default: 1 (the held-out stage: its declared seeds 1-8; rivals: 1-4)")
     parser.add_argument("--steps", type=int, default=None, help="override train.num_steps")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one core each)")
     parser.add_argument("--runs-dir", default=None)
@@ -198,9 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     base, runs, runs_dir, out, title = _plan(args)
     root, out = Path(args.runs_dir or runs_dir), args.out or out
     extra = list(args.overrides) + ([f"train.num_steps={args.steps}"] if args.steps else [])
-    heldout = args.study == "surge" and args.stage == "heldout"
-    seeds = args.seeds or (HELDOUT_SEEDS if heldout else [1])
-    jobs = heldout_jobs(runs, seeds) if heldout else [(v, s) for s in seeds for v in runs]
+    declared = {"heldout": (HELDOUT_SEEDS, None), "rivals": (RIVAL_SEEDS, list(RIVAL_ARMS)[:RIVAL_PRIMARY])}
+    if args.study == "surge" and args.stage in declared:
+        default_seeds, primary = declared[args.stage]
+        seeds = args.seeds or default_seeds
+        jobs = heldout_jobs(runs, seeds, primary)
+    else:
+        seeds = args.seeds or [1]
+        jobs = [(v, s) for s in seeds for v in runs]
     if args.write_sweep:
         lines = [" ".join([f"{v}_seed{s}", *runs[v], f"train.seed={s}", *extra]) for v, s in jobs]
         Path(args.write_sweep).write_text("\n".join(lines) + "\n")

@@ -55,6 +55,11 @@ class LossSpec:
     """Bounds of the high-precision reference ratio for the false-clip metrics; None = clip_low /
     clip_high. Set them to 1 -/+ eps when (L, H) are calibrated."""
     ref_clip_high: float | None = None
+    force_on_policy_ratio: bool = False
+    """NeMo-RL's force_on_policy_ratio: old log-probs := this forward's own, detached, so the ratio is
+    exactly 1 and the gradient is the on-policy one (-A grad log pi for the vanilla loss; no token
+    is clipped). The TIS / IcePop weights and the mismatch metrics then use these log-probs too. The
+    loop sets it on the first mini-batch only (the one trained at theta_old)."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -73,5 +78,8 @@ def _check(s: LossSpec) -> None:
         raise ValueError(f"kl_loss_type must be one of {KL_TYPES}, got {s.kl_loss_type!r}")
     if not 0.0 <= s.clip_low < s.clip_high:
         raise ValueError(f"need 0 <= clip_low < clip_high, got clip_low={s.clip_low}, clip_high={s.clip_high}")
+    if s.force_on_policy_ratio and s.rollout_rs:
+        raise ValueError(f"force_on_policy_ratio replaces pi_old by the training forward's own log-probs; "
+                         f"rollout_rs={s.rollout_rs!r} rejects on pi_old / pi_rollout before the update")
     if s.eps_clip_c is not None and not s.eps_clip_c > 1.0:
         raise ValueError(f"eps_clip_c (dual-clip) must be > 1, got {s.eps_clip_c}")

@@ -234,7 +234,7 @@ def _penalties(
 
 def policy_loss(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     spec: LossSpec,
@@ -252,6 +252,7 @@ def policy_loss(
     Args:
         logprobs: [B, T] float, current policy (carries grad).
         old_logprobs: [B, T] float, policy at theta_old (trainer recompute, or rollout); detached.
+            Ignored (may be None) with spec.force_on_policy_ratio: `logprobs.detach()` stands in.
         advantages: [B, T] float, per token (GRPO broadcasts the sequence advantage).
         mask: [B, T] bool/0-1, response tokens.
         spec: the knobs (loss_spec.LossSpec): ratio bounds (L, H) (bounds_from_eps(eps_clip,
@@ -272,6 +273,10 @@ def policy_loss(
         with metrics.reduce_metrics). `loss` and `pg_loss` reduce to the global-batch loss.
     """
     s = spec
+    if s.force_on_policy_ratio:
+        old_logprobs = logprobs.detach()
+    elif old_logprobs is None:
+        raise ValueError("old_logprobs is None: only force_on_policy_ratio runs without them")
     _check_denominator(denominator)
     _check_tensors(logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask, entropy=entropy,
                    rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, ratio_ref=ratio_ref)

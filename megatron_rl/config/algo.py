@@ -41,6 +41,19 @@ class AlgoConfig:
     icepop_high: float = 5.0
     use_rollout_logprobs: bool = False
     """Use the engine's log-probs as old log-probs instead of a trainer recompute."""
+    force_on_policy_ratio: bool = False
+    """NeMo-RL's force_on_policy_ratio (prime-rl's exact_on_policy_ratio): the first mini-batch of the
+    first PPO epoch, trained at theta_old, takes its old log-probs from its own training forward
+    (detached), so its ratio is exactly 1 whatever the precision noise; later mini-batches use the
+    recomputed old log-probs as usual. With one mini-batch and one epoch (NeMo-RL's setting) the
+    old-log-prob forward is skipped unless something else needs it (a reference model, the BF16
+    shadow, calibrated FP8 KV scales). Refused with use_rollout_logprobs and rollout_rs, and with
+    calibration or diagnosis when the calibration mini-batch is the forced one."""
+    old_logprob_precision: str = "train"
+    """train | bf16: the old log-probs' forward in the training recipe (precision.train_recipe, the
+    paper's setting) or without FP8 (the BF16 path), the "run the old log-probs in BF16" rival of
+    Calibrated Clipping: the ratio becomes FP8(theta) / BF16(theta_old). Refused with
+    use_rollout_logprobs (no trainer forward)."""
     kl_loss_type: str = "k3"
     kl_loss_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -97,6 +110,7 @@ CHOICES = {
     "kl_loss_type": ("k1", "k2", "k3"),
     "kl_reward_type": ("k1", "k2", "k3"),
     "ref_precision": ("bf16", "train"),
+    "old_logprob_precision": ("train", "bf16"),
     "on_max_gen_batches": ("train", "fail"),
     "loss_mode": LOSS_MODES,
     "tis_level": TIS_LEVELS,
@@ -129,6 +143,24 @@ def check_losses(a: AlgoConfig) -> None:
                          f"{a.rollout_rs_threshold}], got {low}")
     if not a.dro_beta >= 0.0:
         raise ValueError(f"config key 'algo.dro_beta': must be >= 0, got {a.dro_beta}")
+
+
+def check_old_logprobs(cfg: RunConfig) -> None:
+    """Where the old log-probs come from: one source per mini-batch, named by one knob."""
+    a, t, c = cfg.algo, cfg.train, cfg.calib
+    if a.use_rollout_logprobs and a.force_on_policy_ratio:
+        raise ValueError("config key 'algo.force_on_policy_ratio': takes the old log-probs from the trainer's own "
+                         "forward, algo.use_rollout_logprobs takes them from the engine; set one")
+    if a.use_rollout_logprobs and a.old_logprob_precision != "train":
+        raise ValueError("config key 'algo.old_logprob_precision': with algo.use_rollout_logprobs the old "
+                         "log-probs are the engine's, no trainer forward runs in any precision")
+    if a.force_on_policy_ratio and a.rollout_rs:
+        raise ValueError(f"config key 'algo.force_on_policy_ratio': algo.rollout_rs={a.rollout_rs!r} rejects tokens "
+                         f"on pi_old / pi_rollout before the update, and the forced mini-batch has no pi_old")
+    if a.force_on_policy_ratio and (c.enabled or c.diagnose) and t.ppo_epochs * t.num_mini_batches == 1:
+        raise ValueError("config key 'algo.force_on_policy_ratio': with one mini-batch and one epoch the "
+                         "calibration mini-batch (calib.enabled / calib.diagnose) is the forced one, whose "
+                         "ratio is 1 by construction; use more mini-batches or turn calibration off")
 
 
 def check_reference(cfg: RunConfig) -> None:

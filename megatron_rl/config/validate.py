@@ -53,6 +53,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     parallel.check_layout(cfg)
     calib.check_controller(cfg)
     algo.check_losses(cfg.algo)
+    algo.check_old_logprobs(cfg)
     calib.check_loss_match(cfg)
     evaluation.check_eval(cfg)
     checkpoint.check_keep_best(cfg)

@@ -322,12 +322,25 @@ def _logprobs(run, batch: Batch, fp8: bool = True, model=None) -> torch.Tensor:
 
 
 def _old_logprobs(run, batch: Batch) -> torch.Tensor:
-    """The trainer's old log-probs; with calibrated FP8 KV scales the same forward records K/V amax."""
+    """The trainer's old log-probs in algo.old_logprob_precision; with calibrated FP8 KV scales the
+    same forward records K/V amax."""
+    fp8 = run.cfg.algo.old_logprob_precision == "train"
     calibration = run.kv_calibration
     if calibration is None:
-        return _logprobs(run, batch)
+        return _logprobs(run, batch, fp8=fp8)
     with calibration.recording(run.actor.model):
-        return _logprobs(run, batch)
+        return _logprobs(run, batch, fp8=fp8)
+
+
+def skips_old_forward(run) -> bool:
+    """force_on_policy_ratio with one mini-batch and one epoch: the only mini-batch takes its old
+    log-probs from its own training forward, so the recompute is skipped (NeMo-RL's grpo.py does the
+    same) unless another consumer needs pi_old before the update: the reference pass (kl/ref_mean,
+    the KL reward), the BF16 shadow, or the K/V amax recording of calibrated FP8 KV scales."""
+    cfg = run.cfg
+    one = cfg.train.ppo_epochs * cfg.train.num_mini_batches == 1
+    others = run.ref is not None or cfg.calib.enabled or cfg.calib.diagnose or run.kv_calibration is not None
+    return cfg.algo.force_on_policy_ratio and one and not others
 
 
 def _reduce_sum(run, value: float) -> float:
@@ -356,7 +369,7 @@ def prepare(run, batch: Batch | None, step: int, metrics: dict[str, float], memo
     t0 = time.perf_counter()
     if run.cfg.algo.use_rollout_logprobs:
         batch["old_logprobs"] = batch["rollout_logprobs"].clone()
-    else:
+    elif not skips_old_forward(run):  # skipped: the one mini-batch's loss uses its own forward
         batch["old_logprobs"] = _old_logprobs(run, batch)
     metrics["time/old_logprobs"] = time.perf_counter() - t0
     if run.ref is not None:
@@ -552,9 +565,10 @@ def _dump_histogram(run, hist, step: int, local: torch.Tensor, inputs: list[torc
                path / f"calib_{step:06d}.pt")
 
 
-def loss_spec(a, bounds: tuple[float, float]):
+def loss_spec(a, bounds: tuple[float, float], forced: bool = False):
     """policy_loss's knobs from the algo config `a` at the clip bounds (L, H) in force; the false-clip
-    metrics judge the BF16 reference ratio at the configured bounds (1 - eps_clip, 1 + eps_clip_high)."""
+    metrics judge the BF16 reference ratio at the configured bounds (1 - eps_clip, 1 + eps_clip_high).
+    `forced`: this mini-batch's ratio is forced to 1 (algo.force_on_policy_ratio, first mini-batch)."""
     from megatron_rl.algo.loss_spec import LossSpec
 
     return LossSpec(
@@ -562,18 +576,20 @@ def loss_spec(a, bounds: tuple[float, float]):
         loss_mode=a.loss_mode, use_tis=a.use_tis, tis_clip=a.tis_clip, tis_clip_low=a.tis_clip_low,
         tis_mode=a.tis_mode, tis_level=a.tis_level, icepop_low=a.icepop_low, icepop_high=a.icepop_high,
         **_rs_kwargs(a), dro_beta=a.dro_beta, kl_loss_type=a.kl_loss_type, kl_loss_coef=a.kl_loss_coef,
-        entropy_coef=a.entropy_coef, ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high)
+        entropy_coef=a.entropy_coef, ref_clip_low=1.0 - a.eps_clip, ref_clip_high=1.0 + a.eps_clip_high,
+        force_on_policy_ratio=forced)
 
 
-def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: bool = False):
+def _loss_fn(run, denominator: float, bounds: tuple[float, float], calibrating: bool = False,
+             forced: bool = False):
     from megatron_rl.algo.policy_loss import policy_loss
 
-    spec = loss_spec(run.cfg.algo, bounds)  # once per mini-batch: checked here, not per micro-batch
+    spec = loss_spec(run.cfg.algo, bounds, forced)  # once per mini-batch: checked here, not per micro-batch
 
     def loss_fn(logprobs, entropy, mb):
         logprobs, entropy, mb = per_sequence(logprobs, entropy, mb)  # packed: seq-mean stays exact
         loss, metrics = policy_loss(
-            logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], spec, denominator=denominator,
+            logprobs, mb.get("old_logprobs"), mb["advantages"], mb["loss_mask"], spec, denominator=denominator,
             rollout_logprobs=mb["rollout_logprobs"], ref_logprobs=mb.get("ref_logprobs"), entropy=entropy,
             ratio_ref=mb.get("ratio_ref"))
         if calibrating:
@@ -590,7 +606,7 @@ def _denominator(run, mb: Batch, reduce) -> float:
     rejection mask removes some); `reduce` sums over the DP group."""
     from megatron_rl.algo.policy_loss import loss_denominator, loss_mask
 
-    kept = loss_mask(mb["loss_mask"], mb["old_logprobs"], mb["rollout_logprobs"], **_rs_kwargs(run.cfg.algo))
+    kept = loss_mask(mb["loss_mask"], mb.get("old_logprobs"), mb["rollout_logprobs"], **_rs_kwargs(run.cfg.algo))
     return loss_denominator(kept, run.cfg.algo.loss_agg_mode, reduce=reduce)
 
 
@@ -617,7 +633,8 @@ def update_policy(run, batch: Batch, step: int) -> dict[str, float]:
                 _shadow_ratio(run, mb)
             denominator = _denominator(run, mb, reduce)
             actor_mb, mbs, _ = _actor_batch(run, mb)
-            result = run.actor.train_step(actor_mb, _loss_fn(run, denominator, _bounds(run), calibrating),
+            forced = cfg.algo.force_on_policy_ratio and epoch == 0 and i == 0
+            result = run.actor.train_step(actor_mb, _loss_fn(run, denominator, _bounds(run), calibrating, forced),
                                           micro_batch_size=mbs,
                                           logprob_chunk_size=cfg.train.logprob_chunk_size)
             if calibrating:

@@ -11,7 +11,7 @@ a step is logged. Spies record and then call the real method, so the run is the 
 
 Event kinds: "prompts" (the global batch the loader handed out), "generate" (engine version it
 served, its prompts and samples), "score" (texts, answers, rewards), "logprobs" (fp8 flag, rows), "train" (the mini-batch handed to train_step), "loss"
-(one micro-batch's log-probs and inputs as the loss saw them). `updates` is the number of
+(one micro-batch's log-probs and inputs as the loss saw them, and the loss it returned). `updates` is the number of
 optimizer steps taken before the event, counted over the whole run.
 """
 
@@ -151,7 +151,10 @@ class _Spy:
 
         def spied_loss(logprobs, entropy, mb):
             self._record("loss", logprobs=logprobs.detach().clone(), mb=_copy(mb))
-            return loss_fn(logprobs, entropy, mb)
+            event = self.pending[-1]
+            loss, metrics = loss_fn(logprobs, entropy, mb)
+            event.data["loss"] = float(loss.detach())  # what the backward ran on
+            return loss, metrics
         bound.arguments["loss_fn"] = spied_loss
         result = real(*bound.args, **bound.kwargs)
         self.updates += 0 if result["skipped"] else 1

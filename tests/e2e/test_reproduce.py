@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "train.sft_steps=20",
          "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
@@ -97,3 +99,77 @@ def test_heldout_stage_runs_the_primary_pair_first_and_reports_intervals(tmp_pat
     assert 0.0 <= start <= 1.0 and 0.0 <= end <= 1.0
     assert "| heldout_nvfp4_tis vs heldout_nvfp4_calibrated_tis |" in md
     assert (tmp_path / "heldout" / "heldout.png").stat().st_size > 1000
+
+
+def test_rivals_stage_is_declared_loads_and_reports_against_its_reference(tmp_path):
+    """The second held-out study: every arm is a valid config whose knob reaches the config, the
+    primary block (reference, forced ratio, BF16 old log-probs, CC) runs first, and the report takes
+    differences against the reference arm (synthetic finished runs, difference worked out by hand)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
+    from run import HELDOUT_EVAL, RIVAL_ARMS, RIVAL_SEEDS, heldout_jobs
+
+    from megatron_rl.config import load_config
+
+    surge = ROOT / "examples" / "reproduce" / "surge.yaml"
+    cfgs = {arm: load_config(surge, [*HELDOUT_EVAL, *o]) for arm, o in RIVAL_ARMS.items()}
+    assert cfgs["rivals_nvfp4_force_tis"].algo.force_on_policy_ratio
+    assert cfgs["rivals_nvfp4_bf16_old_tis"].algo.old_logprob_precision == "bf16"
+    assert cfgs["rivals_nvfp4_calibrated_tis"].calib.enabled
+    assert cfgs["rivals_nvfp4_icepop"].algo.tis_mode == "icepop"
+    assert cfgs["rivals_nvfp4_dual_clip_tis"].algo.eps_clip_c == 3.0
+    assert all(c.precision.train_recipe == "nvfp4" and c.algo.use_tis and c.train.num_steps == 150
+               for c in cfgs.values())
+    assert sum(c.algo.force_on_policy_ratio for c in cfgs.values()) == 1  # one knob per arm
+    order = heldout_jobs(RIVAL_ARMS, RIVAL_SEEDS, list(RIVAL_ARMS)[:4])
+    assert len(order) == 24 and {n for n, _ in order[:16]} == set(list(RIVAL_ARMS)[:4])
+
+    runs = tmp_path / "runs"
+    finals = {("rivals_nvfp4_tis", 1): 0.1, ("rivals_nvfp4_tis", 2): 0.3,
+              ("rivals_nvfp4_force_tis", 1): 0.4, ("rivals_nvfp4_force_tis", 2): 0.6}
+    for (arm, seed), acc in finals.items():
+        d = runs / f"{arm}_seed{seed}"
+        d.mkdir(parents=True)
+        records = [{"step": 0, "eval/heldout/avg@4": 0.2, "eval/heldout/bf16/avg@4": 0.2, "entropy": 0.2},
+                   {"step": 1, "eval/heldout/avg@4": acc, "eval/heldout/bf16/avg@4": acc, "entropy": 0.3}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (d / "done").write_text("ok\n")
+    stats = [sys.executable, str(ROOT / "examples" / "reproduce" / "heldout_stats.py"), "--study", "rivals",
+             "--runs-dir", str(runs), "--out", str(tmp_path / "rivals")]
+    proc = subprocess.run(stats, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (tmp_path / "rivals" / "report.md").read_text()
+    assert "4 of the 24 declared runs finished (seeds 1-4" in md
+    row = next(line for line in md.splitlines() if line.startswith("| rivals_nvfp4_force_tis |"))
+    assert [c.strip() for c in row.strip("|").split("|")][5].startswith("+0.300 [")  # 0.5 - 0.2
+    assert "| rivals_nvfp4_tis vs rivals_nvfp4_force_tis |" in md
+
+
+def test_mechanism_script_on_the_tiny_model(tmp_path):
+    """mechanism.py end to end on the tiny model: at theta_old the BF16 path's log-ratio is exactly 0
+    (the recompute is bit-reproducible), per-tensor FP8 widens it through the mini-batch's other
+    composition alone, and after updates both move."""
+    import json
+
+    cmd = [sys.executable, str(ROOT / "examples" / "reproduce" / "mechanism.py"), "--model", "tiny",
+           "--recipes", "bf16", "tensorwise", "--batches", "2", "--steps", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["recipe"]: r for r in json.loads((tmp_path / "mechanism.json").read_text())["results"]}
+    for recipe, res in results.items():
+        assert len(res["batches"]) == 2 and len(res["calibrated_oos"]) == 1
+        for b in res["batches"]:
+            at_old = b["step0"]
+            assert at_old["log_r_bf16"]["std"] == 0.0 and at_old["log_r_bf16"]["q99.9"] == 0.0
+            moved = [b[s]["log_r_bf16"]["std"] for s in ("step1", "step2")]
+            assert 0.0 < moved[0] < moved[1]
+            for state in b.values():  # at one bound: false - missed = FP share below - BF16 share below
+                c = state["clip"]
+                if c["neg_tokens"]:
+                    assert c["false_low"] - c["missed_low"] == pytest.approx(c["below_fp"] - c["below_bf16"], abs=1e-12)
+            if recipe == "bf16":
+                assert at_old["log_r_fp"]["std"] == 0.0 and b["step1"]["log_r_fp"] == b["step1"]["log_r_bf16"]
+            else:
+                assert at_old["log_r_fp"]["std"] > 1e-3
+    assert "| tensorwise | step0 |" in (tmp_path / "mechanism.md").read_text()

@@ -230,3 +230,73 @@ def test_skipped_step_leaves_everything_untouched(root, cause):
         assert s["engine_version"] == s["sync_version"] == 1  # the start-up sync only
         assert s["engine_sums"] == before["trainer_sums"]
         assert s["loader"]["position"] == (index + 1) * per_step
+
+
+
+def _vanilla_loss(e, old: torch.Tensor, denominator: float, low: float, high: float, tis_clip: float | None) -> float:
+    """Slow reference of one micro-batch's loss: sum over response tokens of
+    max(-A r, -A clip(r, L, H)) * min(exp(old - rollout), C) (weight 1 without TIS), over the
+    mini-batch's token count."""
+    mb, on = e.data["mb"], _response(e.data["mb"])
+    lp, old, adv = e.data["logprobs"][on].double(), old[on].double(), mb["advantages"][on].double()
+    ratio = torch.exp(lp - old)
+    weight = 1.0 if tis_clip is None else torch.exp(old - mb["rollout_logprobs"][on].double()).clamp(max=tis_clip)
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high)) * weight
+    return float(per_token.sum()) / denominator
+
+
+# With TIS the product r * w = exp(log pi - log pi_rollout) wherever neither clip binds, so forcing
+# changes the loss only on clipped tokens; without TIS the recompute's noise shows on every token.
+FORCED = {2: ("algo.use_tis=false",), 1: ()}
+
+
+@pytest.mark.parametrize("mini_batches", sorted(FORCED))
+def test_forced_on_policy_ratio_is_one_on_the_first_mini_batch_only(root, mini_batches):
+    """algo.force_on_policy_ratio under per-tensor FP8 scaling (the recompute at theta_old is noisy):
+    the first mini-batch of each step trains on r = 1 exactly (its TIS weights, if on, from its own
+    forward); the next mini-batch, after an update, on the recomputed old log-probs. With one
+    mini-batch the old-log-prob forward does not run at all."""
+    trace = trace_run(root / f"forced_{mini_batches}", CONFIG, "train.num_steps=2", "calib.enabled=false",
+                      "precision.train_recipe=tensorwise", "algo.force_on_policy_ratio=true", "train.lr=3e-3",
+                      f"train.num_mini_batches={mini_batches}", *FORCED[mini_batches])
+    a = trace.cfg.algo
+    low, high, tis = 1.0 - a.eps_clip, 1.0 + a.eps_clip_high, a.tis_clip if a.use_tis else None
+    noisy = later = 0
+    for step in trace.steps:
+        start = _first_update(step)
+        totals = {e.updates: float(_response(e.data["batch"]).sum()) for e in step.of("train")}
+        forwards = [e.updates for e in step.of("logprobs")]
+        assert forwards == ([] if mini_batches == 1 else [start])  # the old forward, before any update
+        for e in step.of("loss"):
+            lp, den = e.data["logprobs"], totals[e.updates]
+            if e.updates == start:
+                assert e.data["loss"] == pytest.approx(_vanilla_loss(e, lp, den, low, high, tis), rel=1e-5)
+                if "old_logprobs" in e.data["mb"]:  # the recompute's noise: forcing changed the loss
+                    unforced = _vanilla_loss(e, e.data["mb"]["old_logprobs"], den, low, high, tis)
+                    noisy += abs(unforced - e.data["loss"]) > 1e-4
+            else:
+                old = e.data["mb"]["old_logprobs"]
+                assert e.data["loss"] == pytest.approx(_vanilla_loss(e, old, den, low, high, tis), rel=1e-5)
+                later += 1
+        assert step.metrics["noise/log_ratio_std_at_old"] == 0.0 and step.metrics["noise/pg_clipfrac_at_old"] == 0.0
+    if mini_batches == 2:
+        assert noisy == later == len(trace.steps)  # not vacuous: both kinds of mini-batch were checked
+        assert trace.steps[-1].metrics["log_ratio/std"] > 0.01
+
+
+def test_bf16_old_logprobs_feed_the_loss_and_cost_the_exact_ratio_at_theta_old(root):
+    """algo.old_logprob_precision=bf16: the one old-log-prob pass runs on the BF16 path before any
+    update, and the loss's ratio is FP8(theta) / BF16(theta_old): under blockwise FP8, whose own
+    recompute is exact at theta_old, the first mini-batch now sees the FP8-vs-BF16 gap."""
+    trace = trace_run(root / "bf16_old", CONFIG, "train.num_steps=1", "calib.enabled=false",
+                      "algo.old_logprob_precision=bf16")
+    (step,) = trace.steps
+    start, a = _first_update(step), trace.cfg.algo
+    assert [(e.updates, e.data["fp8"]) for e in step.of("logprobs")] == [(start, False)]
+    for e in step.of("loss"):
+        den = {t.updates: float(_response(t.data["batch"]).sum()) for t in step.of("train")}[e.updates]
+        expected = _vanilla_loss(e, e.data["mb"]["old_logprobs"], den, 1 - a.eps_clip, 1 + a.eps_clip_high, a.tis_clip)
+        assert e.data["loss"] == pytest.approx(expected, rel=1e-5)
+    at_old = [e for e in step.of("loss") if e.updates == start]
+    gap = torch.cat([(e.data["logprobs"] - e.data["mb"]["old_logprobs"])[_response(e.data["mb"])] for e in at_old])
+    assert float(gap.abs().max()) > 1e-3 and step.metrics["noise/log_ratio_std_at_old"] > 1e-4

@@ -23,12 +23,19 @@ def test_the_loop_builds_the_spec_from_every_algo_knob_and_the_bounds_in_force()
     spec = loss_spec(cfg.algo, (0.7, 1.6))  # e.g. calibrated (L, H), not 1 -/+ eps
     want = {k: v for k, v in ALGO.items() if k not in ("eps_clip", "eps_clip_high")}
     want.update(clip_low=0.7, clip_high=1.6, ref_clip_low=0.85, ref_clip_high=1.35)  # reference: 1 -/+ eps
+    want["force_on_policy_ratio"] = False  # per mini-batch, the loop's `forced` (the test below)
     got = dataclasses.asdict(spec)
     assert set(got) == set(want)  # no knob of the spec left at its default by the loop
     assert got == pytest.approx(want)
     for name, field in ((f.name, f) for f in dataclasses.fields(LossSpec)):
-        if field.default is not dataclasses.MISSING:
+        if field.default is not dataclasses.MISSING and name != "force_on_policy_ratio":
             assert got[name] != field.default, name  # each value above differs from the spec's default
+
+
+def test_the_loop_forces_the_ratio_only_on_the_mini_batch_it_names():
+    cfg = load_config(None, ["algo.force_on_policy_ratio=true"])
+    assert loss_spec(cfg.algo, (0.8, 1.2), forced=True).force_on_policy_ratio
+    assert not loss_spec(cfg.algo, (0.8, 1.2)).force_on_policy_ratio  # later mini-batches
 
 
 def test_a_spec_is_frozen():

