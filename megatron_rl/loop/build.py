@@ -247,7 +247,9 @@ def build_sglang(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
     check_block_alignment(model_dir, spec)
     host = placement.host_of(rank).host if placement is not None else sg.host
     log_root = Path(os.environ.get("MEGATRON_RL_LOG_DIR") or Path(cfg.log.dir) / "sglang")
-    engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed,
+    # Launched servers are numbered over the job (their seeds differ on every host: server_seed).
+    first = placement.first_server_index(host) if placement is not None and placement.starts_servers(rank) else 0
+    engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed + first,
                           log_dir=_mkdir(log_root / host))
     if placement is not None and not placement.is_owner(rank):
         return engine, None  # a client: samples through servers another rank pauses and updates
