@@ -320,8 +320,6 @@ class SGLangEngine(RolloutEngine):
             self.begin_update(version)
         bucket = list(named_tensors)
         flat, meta = flatten_bucket(bucket)
-        if flat.is_cuda:
-            _sglang.patch_cuda_ipc_reductions()
         payload = serialize_flattened(flat, meta)
         # One payload per server (each has one TP rank, checked above). No flush per bucket: SGLang
         # fails the update when a request runs or waits at its flush (weight_updater.py:120-133 of

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatron_rl import collectives
-from megatron_rl.rollout import _sglang
 from megatron_rl.rollout.sglang_payload import (LOAD_FORMAT, distributed_spec, flatten_bucket,
                                                 serialize_flattened)
 from megatron_rl.sync.buckets import NamedTensor
@@ -90,12 +89,14 @@ class SGLangTensorTransport:
 
     def send(self, bucket: list[NamedTensor], version: int) -> None:
         flat, metadata = flatten_bucket(bucket)
-        if flat.is_cuda:
-            _sglang.patch_cuda_ipc_reductions()
         payload = serialize_flattened(flat, metadata)
         payloads = self.gather(payload) if self.gather is not None else None
         if self.gather is not None and payloads is None:
             return  # a non-sending rank of the gather group
+        if payloads is None and flat.is_cuda and len(self.engine.servers) > 1:
+            raise ValueError(f"{len(self.engine.servers)} colocated servers and one CUDA payload: every server "
+                             "but the one on this GPU would open IPC handles of another GPU's memory; the "
+                             "transport needs a gather over the host's GPUs (loop.build.wire_ipc_gather)")
         posts = []  # (server, body): each server's own payloads (index = its place on the host's GPUs)
         for index, server in enumerate(self.engine.servers):
             if server.down:
@@ -158,8 +159,6 @@ def ipc_peer(group, src: int):
 
     def peer(bucket: list[NamedTensor]) -> None:
         flat, metadata = flatten_bucket(bucket)
-        if flat.is_cuda:
-            _sglang.patch_cuda_ipc_reductions()
         gather(serialize_flattened(flat, metadata))
         gather.done()
 
