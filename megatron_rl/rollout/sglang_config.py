@@ -31,9 +31,9 @@ class SGLangConfig:
     """Interface the launched servers bind to: loopback, or the cluster interface's address.
     Never 0.0.0.0: the weight-update endpoints would be reachable from every network."""
     base_port: int = 30000
-    """Server i listens on base_port + i; its torch.distributed port (SGLang's --nccl-port) is the
-    first port from base_port + 1000 + i held by no other server, the router, the weight group
-    (nccl_master_port .. + 63) or the trainer's MASTER_PORT."""
+    """Server i listens on base_port + i; its torch.distributed port (SGLang's --nccl-port) is
+    base_port + i + 1000 (+ 2000, 3000 ... where that is another server's, the router's, the weight
+    group's nccl_master_port .. + 63, or the trainer's MASTER_PORT)."""
     num_servers: int = 1
     """Servers launched by this process, one per TP group (GPUs i*tp_size .. (i+1)*tp_size-1)."""
     tp_size: int = 1

@@ -67,8 +67,10 @@ def dist_ports(cfg: SGLangConfig, http_ports: list[int]) -> list[int]:
     tcp://<host>:<nccl_port> (srt/distributed/bootstrap.py _resolve_dist_init_method, then
     parallel_state.py init_process_group), tp = 1 included. Left to SGLang, the port is drawn at
     random from 22000-29999 (utils/network.py get_free_port_below_ephemeral), the range of
-    torchrun's MASTER_PORT; two servers starting together can draw the same. Chosen here: the
-    first free of reserved_ports from HTTP port + DIST_PORT_OFFSET upwards, distinct per server."""
+    torchrun's MASTER_PORT; two servers starting together can draw the same. Chosen here: HTTP
+    port + DIST_PORT_OFFSET, or + 2 x, 3 x ... the offset where that is reserved (reserved_ports)
+    or taken, so a moved port never lands on the next server's (two launchers of one host whose
+    HTTP ports are not a multiple of the offset apart never collide either)."""
     for flag in ("--nccl-port", "--dist-init-addr", "--nccl-init-addr"):
         if flag in cfg.extra_args:
             raise ValueError(f"rollout.sglang.extra_args: {flag} is set by the launcher (one distinct port "
@@ -81,7 +83,7 @@ def dist_ports(cfg: SGLangConfig, http_ports: list[int]) -> list[int]:
     for port in http_ports:
         candidate = port + DIST_PORT_OFFSET
         while candidate in held or candidate in http_ports or candidate in chosen:
-            candidate += 1
+            candidate += DIST_PORT_OFFSET
         if candidate > 65535:
             raise ValueError(f"rollout.sglang.base_port: no free dist port above {port} (ports end at 65535)")
         chosen.append(candidate)
