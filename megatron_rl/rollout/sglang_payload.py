@@ -95,7 +95,11 @@ DEVICE_ARG = 6
 
 
 class _SGLangRebuild:
-    """Stands for SGLANG_CUDA_REBUILD in a reduction; pickled as that global name only."""
+    """Stands for SGLANG_CUDA_REBUILD in a reduction; pickled as that global name only (callable
+    because pickle requires a reduction's function to be; it runs only in SGLang)."""
+
+    def __call__(self, *args):
+        raise RuntimeError("SGLang's CUDA rebuild runs in the server, never in the trainer")
 
 
 _SGLANG_REBUILD = _SGLangRebuild()
