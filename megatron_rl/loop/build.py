@@ -441,13 +441,12 @@ def build_reference(cfg: RunConfig, settings, parallel, model_dir: Path):
 
 
 def park_reference(cfg: RunConfig, ref) -> None:
-    """Colocated: the reference's parameters to host memory before the servers start. SGLang sizes
-    its KV cache from the device memory free at its start (mem_fraction_static), and the resident
-    count of the memory planner leaves the reference out (loop/colocated.py keeps it on the host
-    outside its own forward)."""
-    from megatron_rl.cluster.plan import is_colocated
-
-    if ref is not None and cfg.train.colocated_protocol and is_colocated(cfg):
+    """Colocated SGLang: the reference's parameters to host memory before the servers start. SGLang
+    sizes its KV cache from the device memory free at its start (mem_fraction_static), and the
+    memory planner's resident count leaves the reference out: loop/colocated.py keeps it on the host
+    outside its own forward (reference_on_device), which is the only use of it with the protocol on."""
+    sg = cfg.rollout.sglang
+    if ref is not None and cfg.train.colocated_protocol and cfg.rollout.engine == "sglang" and sg.mode == "colocated":
         ref.offload(("params",))
 
 
