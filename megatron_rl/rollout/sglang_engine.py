@@ -11,8 +11,9 @@ Usage (colocated; transports in megatron_rl.sync drive the weight updates)::
 Fault handling: a /generate request that fails because its server died (or aborted it) is retried
 on another server holding the current weights; a dead server this process launched is restarted
 with the same command line. A restarted server holds the checkpoint's weights, so it gets no
-requests until the next weight update reaches it (every update is a full one). Every response's
-`weight_version` is checked: a sample is never taken from stale weights.
+requests until the next weight update reaches it (every update is a full one). A server found dead
+by a pause or a memory call is left out of that update and restarted by the next generate(), never
+inside a sync. Every response's `weight_version` is checked: a sample is never taken from stale weights.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ class SGLangEngine(RolloutEngine):
             results = list(pool.map(lambda c: self._run_chunk(c, sampling, seeded), chunks))
         return [s for chunk in results for s in chunk]
 
-    def _run_chunk(self, rows, sampling: SamplingParams, seeded: bool = True) -> list[Sample]:
+    def _run_chunk(self, rows, sampling: SamplingParams, seeded: bool) -> list[Sample]:
         body = _generate_body(rows, sampling, per_row_seed=seeded)
         for attempt in range(self.cfg.max_retries + 1):
             server = self._pick_server()
