@@ -32,8 +32,8 @@ class SGLangConfig:
     Never 0.0.0.0: the weight-update endpoints would be reachable from every network."""
     base_port: int = 30000
     """Server i listens on base_port + i; its torch.distributed port (SGLang's --nccl-port) is
-    base_port + i + 1000 (+ 2000, 3000 ... where that is another server's, the router's, the weight
-    group's nccl_master_port .. + 63, or the trainer's MASTER_PORT)."""
+    base_port + i + 1000 (+ 2000, 3000 ... where that is another server's, the router's, the trainer's
+    MASTER_PORT, or with the nccl transport the weight group's nccl_master_port .. + 63)."""
     num_servers: int = 1
     """Servers launched by this process, one per TP group (GPUs i*tp_size .. (i+1)*tp_size-1)."""
     tp_size: int = 1

@@ -52,10 +52,8 @@ WEIGHT_GROUP_PORTS = 64
 
 def reserved_ports(cfg: SGLangConfig) -> dict[int, str]:
     """Ports no server may take, with what holds each: the trainer's rendezvous (MASTER_PORT:
-    torchrun's agent store listens there), the router, the weight group."""
-    held = {p: "rollout.sglang.nccl_master_port (the weight group)"
-            for p in range(cfg.nccl_master_port, cfg.nccl_master_port + WEIGHT_GROUP_PORTS)}
-    held[cfg.router_port] = "rollout.sglang.router_port"
+    torchrun's agent store listens there) and the router."""
+    held = {cfg.router_port: "rollout.sglang.router_port"}
     master = os.environ.get("MASTER_PORT", "")
     if master.isdigit():
         held[int(master)] = f"the trainer's rendezvous port MASTER_PORT={master}"
@@ -79,6 +77,8 @@ def dist_ports(cfg: SGLangConfig, http_ports: list[int]) -> list[int]:
     for port in http_ports:
         if port in held:
             raise ValueError(f"rollout.sglang.base_port: server port {port} is {held[port]}; choose another base_port")
+    if cfg.weight_transport == "nccl":  # the weight group's store listens on the trainer's host
+        held.update(dict.fromkeys(range(cfg.nccl_master_port, cfg.nccl_master_port + WEIGHT_GROUP_PORTS)))
     chosen: list[int] = []
     for port in http_ports:
         candidate = port + DIST_PORT_OFFSET

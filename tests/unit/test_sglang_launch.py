@@ -4,6 +4,8 @@ disaggregated alike). The real torchrun case is tests/dist/test_servers_from_tor
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from megatron_rl.cluster.launch import serve_argvs
@@ -61,9 +63,11 @@ def test_each_server_gets_its_own_dist_port_never_the_trainers(monkeypatch, mast
 
 def test_dist_ports_skip_the_weight_group_and_the_router(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    cfg = SGLangConfig(base_port=28650, num_servers=2, nccl_master_port=29650, router_port=29651 + 64)
+    cfg = SGLangConfig(base_port=28650, num_servers=2, nccl_master_port=29650, router_port=29651 + 64,
+                       mode="disaggregated", weight_transport="nccl")
     # 29650, 29651 are weight-group ports (29650 .. 29713): + 1000 again
     assert dist_ports(cfg, [28650, 28651]) == [30650, 30651]
+    assert dist_ports(replace(cfg, weight_transport="disk", disk_dir="/w"), [28650, 28651]) == [29650, 29651]
     cfg = SGLangConfig(base_port=29000, num_servers=1, router_port=30000)
     assert dist_ports(cfg, [29000]) == [31000]
 
