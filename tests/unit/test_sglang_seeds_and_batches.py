@@ -37,6 +37,18 @@ def test_two_servers_answer_one_prompt_with_different_samples(engine):
     assert first[0] != first[1]
 
 
+def test_a_groups_samples_spread_one_per_request_over_the_servers_differ(engine, monkeypatch):
+    """pass@k's k samples (or a group's n) sent one row per request, as the servers' least-busy
+    choice spreads them: each server draws from its own seed, so no two samples are the same."""
+    monkeypatch.setattr(engine.cfg, "max_batch_per_request", 1)
+    before = [len(r) for r in rows_per_request(engine)]
+    samples = engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=12, n=4, ignore_eos=True))
+    new = [r[b:] for r, b in zip(rows_per_request(engine), before)]
+    assert all(new), new  # both servers drew some of them
+    drawn = [tuple(s.response_ids) for s in samples]
+    assert len(set(drawn)) == 4, drawn
+
+
 def test_rows_travel_in_batches_without_deterministic_inference(engine):
     before = [len(r) for r in rows_per_request(engine)]
     samples = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=3, n=4, seed=11,
