@@ -717,10 +717,14 @@ def test_a_colocated_owner_launches_its_hosts_servers_whatever_the_section_lists
     assert not owner.launch_router and not client.launch_router  # colocated: no router, whoever asks
 
 
+COLOCATED = ["rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=tensor"]
+DISAGGREGATED = ["rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=nccl"]
+
+
 @pytest.mark.parametrize("overrides, parked", [
-    (["rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=tensor", "train.colocated_protocol=true"], True),
-    (["rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=tensor", "train.colocated_protocol=false"], False),
-    (["rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=nccl", "train.colocated_protocol=true"], False),
+    ([*COLOCATED, "train.colocated_protocol=true"], True),
+    ([*COLOCATED, "train.colocated_protocol=false"], False),
+    ([*DISAGGREGATED, "train.colocated_protocol=true"], False),
 ])
 def test_the_reference_leaves_the_device_before_colocated_servers_start(make_run, monkeypatch, overrides, parked):
     """SGLang sizes its KV cache from the memory free when it starts: the reference (on the device

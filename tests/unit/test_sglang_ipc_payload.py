@@ -141,7 +141,8 @@ def test_colocated_tensor_transport_with_pp_over_1_on_gpus_is_refused_before_any
     from megatron_rl.loop.build import check_colocated_ipc
 
     base = ["rollout.engine=sglang", "rollout.sglang.mode=colocated"]
-    pp2 = load_config(None, [*base, "rollout.sglang.weight_transport=tensor", "parallel.pipeline_model_parallel_size=2"])
+    pp2 = load_config(None, [*base, "rollout.sglang.weight_transport=tensor",
+                             "parallel.pipeline_model_parallel_size=2"])
     with pytest.raises(ValueError) as err:
         check_colocated_ipc(pp2, cuda=True)
     assert str(err.value) == (
