@@ -119,13 +119,14 @@ def trainer_argv(plan: Placement, host: str, config: str, overrides: list[str], 
 def serve_argvs(plan: Placement, host: str, cfg: RunConfig, model: str, api_key: str) -> list[list[str]]:
     """The launch commands of this host's servers (+ the router on the router host), in order."""
     from megatron_rl.rollout import _sglang
-    from megatron_rl.rollout.sglang_server import router_args, server_args
+    from megatron_rl.rollout.sglang_server import dist_ports, router_args, server_args, server_seed
 
     entry = next(h for h in plan.hosts if h.host == host)
     sg = replace(cfg.rollout.sglang, host=host, tp_size=len(entry.servers[0].gpus) if entry.servers else 1)
-    argvs = [_sglang.server_argv(server_args(sg, model, s.port, s.gpus[0], seed=cfg.train.seed + i)
+    first, http = plan.first_server_index(host), [s.port for s in entry.servers]
+    argvs = [_sglang.server_argv(server_args(sg, model, s.port, s.gpus[0], server_seed(cfg.train.seed, first + i), d)
                                  + ["--api-key", api_key], sg.server_command)
-             for i, s in enumerate(entry.servers)]
+             for i, (s, d) in enumerate(zip(entry.servers, dist_ports(sg, http)))]
     if entry.router_port is not None:  # every worker requires the key, so the router sends it
         urls = [u for h in plan.server_hosts for u in h.server_urls()]
         argvs.append(_sglang.router_argv(router_args(replace(sg, router_port=entry.router_port), urls)

@@ -126,6 +126,16 @@ class Placement:
             return urls[start:] + urls[:start]
         return [u for h in self.server_hosts for u in h.server_urls()]
 
+    def first_server_index(self, host: str) -> int:
+        """The job-wide index of `host`'s first server (servers numbered host by host, in plan
+        order): server i of the host is number first + i, which sets its --random-seed."""
+        index = 0
+        for h in self.hosts:
+            if h.host == host:
+                return index
+            index += len(h.servers)
+        raise ValueError(f"host {host!r} is not in the placement")
+
     def owned_servers(self, rank: int) -> list[str]:
         return self.servers_for(rank) if self.is_owner(rank) and self.layout != "embedded" else []
 

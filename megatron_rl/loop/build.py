@@ -252,7 +252,9 @@ def build_sglang(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
     check_block_alignment(model_dir, spec)
     host = placement.host_of(rank).host if placement is not None else sg.host
     log_root = Path(os.environ.get("MEGATRON_RL_LOG_DIR") or Path(cfg.log.dir) / "sglang")
-    engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed,
+    # Launched servers are numbered over the job (their seeds differ on every host: server_seed).
+    first = placement.first_server_index(host) if placement is not None and placement.starts_servers(rank) else 0
+    engine = SGLangEngine(sg, rollout_checkpoint(cfg, model_dir), seed=cfg.train.seed + first,
                           log_dir=_mkdir(log_root / host))
     if placement is not None and not placement.is_owner(rank):
         return engine, None  # a client: samples through servers another rank pauses and updates
@@ -443,6 +445,30 @@ def build_reference(cfg: RunConfig, settings, parallel, model_dir: Path):
     return ref
 
 
+def park_reference(cfg: RunConfig, ref) -> None:
+    """Colocated SGLang: the reference's parameters to host memory before the servers start. SGLang
+    sizes its KV cache from the device memory free at its start (mem_fraction_static), and the
+    memory planner's resident count leaves the reference out: loop/colocated.py keeps it on the host
+    outside its own forward (reference_on_device), which is the only use of it with the protocol on."""
+    sg = cfg.rollout.sglang
+    if ref is not None and cfg.train.colocated_protocol and cfg.rollout.engine == "sglang" and sg.mode == "colocated":
+        ref.offload(("params",))
+
+
+def check_colocated_ipc(cfg: RunConfig, cuda: bool) -> None:
+    """Colocated SGLang with the tensor transport on GPUs needs, for every server, IPC handles of a
+    copy on that server's own GPUs (sync.sglang_transport.SGLangTensorTransport); with PP > 1 only
+    pipeline stage 0's TP rank 0 holds a whole bucket (sync.weight_sync._pp_relay), so the other
+    servers would get handles of another GPU's memory. Refused before anything is built."""
+    sg = cfg.rollout.sglang
+    if (cuda and cfg.rollout.engine == "sglang" and sg.mode == "colocated" and sg.weight_transport == "tensor"
+            and cfg.parallel.pipeline_model_parallel_size > 1):
+        raise ValueError("config key 'parallel.pipeline_model_parallel_size': "
+                         f"{cfg.parallel.pipeline_model_parallel_size} with colocated SGLang and "
+                         "rollout.sglang.weight_transport=tensor would hand servers CUDA IPC handles of "
+                         "another GPU's memory; use rollout.sglang.weight_transport=disk, or PP 1")
+
+
 def build_run(cfg: RunConfig) -> Run:
     from megatron_rl.actor.parallel import init_parallel
     from megatron_rl.actor.quiet import megatron_quiet
@@ -453,6 +479,7 @@ def build_run(cfg: RunConfig) -> Run:
     from transformers import AutoTokenizer
 
     torch.manual_seed(cfg.train.seed)
+    check_colocated_ipc(cfg, torch.cuda.is_available())
     settings = build_actor_settings(cfg)
     with megatron_quiet():
         parallel = init_parallel(cfg.parallel.tensor_model_parallel_size,
@@ -467,6 +494,7 @@ def build_run(cfg: RunConfig) -> Run:
     # Every rank, in the same order, before the owners go off to start servers (minutes).
     host_groups = collectives.make_host_groups(collectives.group_ranks(parallel.mp_group), parallel.dp_group_ranks,
                                                timeout_s=host_wait_timeout_s(cfg))
+    park_reference(cfg, ref)
     engine, transport, placement = build_rollout(cfg, model_dir, parallel, host_groups)
     kv_calibration = kv_calibration_for(cfg, actor.spec.num_layers, parallel)
     clients = placement is not None and any(placement.rollout_role(r) == "client"
@@ -475,7 +503,8 @@ def build_run(cfg: RunConfig) -> Run:
                       bucket_mb=cfg.sync.bucket_size_mb, check=cfg.sync.check, wait_for_owners=clients,
                       wait_group=host_groups.world,
                       peer=wire_ipc_gather(cfg, placement, parallel, host_groups, transport),
-                      kv_scales=kv_scales_source(cfg, actor.spec.num_layers, kv_calibration))
+                      kv_scales=kv_scales_source(cfg, actor.spec.num_layers, kv_calibration),
+                      follower=engine if transport is None and engine is not None else None)
     checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", hf_dir=model_dir,
                                 async_save=cfg.checkpoint.async_save, keep_last=cfg.checkpoint.keep_last)
     start = checkpointer.latest_step() if cfg.checkpoint.resume is True else 0

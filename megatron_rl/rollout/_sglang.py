@@ -40,14 +40,3 @@ def router_argv(args: list[str], command: list[str] | None = None) -> list[str]:
         return [*command, *args]
     require_module(ROUTER_MODULE, "pip install sglang-router, or set rollout.sglang.router_command")
     return [sys.executable, "-m", ROUTER_MODULE, *args]
-
-
-def patch_cuda_ipc_reductions() -> None:
-    """Make CUDA tensors pickle the way SGLang's unpickler rebuilds them (device mapped by UUID).
-
-    Needed before serializing CUDA tensors for update_weights_from_tensor; SGLang's SafeUnpickler
-    only accepts its own CUDA rebuild function. Idempotent (sglang guards it).
-    """
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    monkey_patch_torch_reductions()

@@ -31,7 +31,9 @@ class SGLangConfig:
     """Interface the launched servers bind to: loopback, or the cluster interface's address.
     Never 0.0.0.0: the weight-update endpoints would be reachable from every network."""
     base_port: int = 30000
-    """Server i listens on base_port + i."""
+    """Server i listens on base_port + i; its torch.distributed port (SGLang's --nccl-port) is
+    base_port + i + 1000 (+ 2000, 3000 ... where that is another server's, the router's, the trainer's
+    MASTER_PORT, or with the nccl transport the weight group's nccl_master_port .. + 63)."""
     num_servers: int = 1
     """Servers launched by this process, one per TP group (GPUs i*tp_size .. (i+1)*tp_size-1)."""
     tp_size: int = 1
@@ -53,8 +55,10 @@ class SGLangConfig:
     nccl_master_port: int = 29650
     max_batch_per_request: int = 64
     """Rows (prompt x sample) per /generate request."""
-    requests_per_server: int = 4
-    """Concurrent /generate requests per server."""
+    requests_per_server: int = 16
+    """Concurrent /generate requests per server: with max_batch_per_request rows each, up to 1024
+    rows per server are in SGLang's scheduler at once, so a long rollout runs as one continuous
+    batch instead of waves."""
     request_timeout_s: float = 3600.0
     startup_timeout_s: float = 900.0
     max_retries: int = 3

@@ -11,8 +11,9 @@ Usage (colocated; transports in megatron_rl.sync drive the weight updates)::
 Fault handling: a /generate request that fails because its server died (or aborted it) is retried
 on another server holding the current weights; a dead server this process launched is restarted
 with the same command line. A restarted server holds the checkpoint's weights, so it gets no
-requests until the next weight update reaches it (every update is a full one). Every response's
-`weight_version` is checked: a sample is never taken from stale weights.
+requests until the next weight update reaches it (every update is a full one). A server found dead
+by a pause or a memory call is left out of that update and restarted by the next generate(), never
+inside a sync. Every response's `weight_version` is checked: a sample is never taken from stale weights.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megatron_rl.rollout.sglang_server import (ManagedProcess, Server, build_ser
 
 log = logging.getLogger("megatron_rl.rollout.sglang")
 KV_SCALE_LEAVES = ("k_scale", "v_scale")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # a release without tags: srt/constants.py GPU_MEMORY_ALL_TYPES
 # SGLang versions this engine was tested against (their weight-update protocol: the update session of
 # begin_weight_update / end_weight_update, weight_version on every update, flattened buckets).
 SUPPORTED_VERSIONS = ("0.5.23",)
@@ -89,6 +91,7 @@ class SGLangEngine(RolloutEngine):
         self._session_open = False
         self._kv_scales_sent: set[str] = set()
         self._weights_released = False  # since the last update: FP8 KV scales went with them
+        self._released: set[str] = set()  # memory tags released on every live server now
         self._lock = threading.Lock()
         self._restart_locks = {id(s): threading.Lock() for s in self.servers}
         self.stats = {"retries": 0, "restarts": 0, "requests": 0}
@@ -146,15 +149,17 @@ class SGLangEngine(RolloutEngine):
         """n samples per prompt, contiguous by prompt, each with the engine's per-token log-probs."""
         if self._pending is not None:
             raise RuntimeError(f"generate() during the update to version {self._pending}")
+        self._restart_down()
         rows = [(i, list(p), r) for i, p in enumerate(prompts) for r in range(sampling.n)]
-        chunks = request_chunks(rows, sampling, self.cfg.max_batch_per_request)
+        seeded = self.cfg.deterministic_inference
+        chunks = request_chunks(rows, sampling, self.cfg.max_batch_per_request, per_row_seed=seeded)
         workers = max(1, len(self.servers) * self.cfg.requests_per_server)
         with ThreadPoolExecutor(max_workers=min(workers, max(1, len(chunks)))) as pool:
-            results = list(pool.map(lambda c: self._run_chunk(c, sampling), chunks))
+            results = list(pool.map(lambda c: self._run_chunk(c, sampling, seeded), chunks))
         return [s for chunk in results for s in chunk]
 
-    def _run_chunk(self, rows, sampling: SamplingParams) -> list[Sample]:
-        body = _generate_body(rows, sampling)
+    def _run_chunk(self, rows, sampling: SamplingParams, seeded: bool) -> list[Sample]:
+        body = _generate_body(rows, sampling, per_row_seed=seeded)
         for attempt in range(self.cfg.max_retries + 1):
             server = self._pick_server()
             client = self.router or server.client
@@ -202,9 +207,33 @@ class SGLangEngine(RolloutEngine):
             raise ValueError("SGLang output_token_logprobs do not match output_ids")
         return Sample(index, prompt, ids, [float(e[0]) for e in token_logprobs], reason)
 
+    def _restart_down(self) -> None:
+        """Restart the servers a pause or a memory call found dead, before sampling: outside any sync."""
+        for server in self.servers:
+            if server.down:
+                self._check_server(server)
+
+    def _mark_down(self) -> None:
+        """Take servers that do not answer /health out of the update and memory calls that follow,
+        without restarting them: a restart inside a sync waits up to startup_timeout_s while the
+        trainer's other ranks sit in the export's collectives (NCCL's watchdog: 10 minutes)."""
+        live = [s for s in self.servers if not s.down]
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            healthy = list(pool.map(lambda s: s.client.healthy("/health"), live))
+        for server, ok in zip(live, healthy):
+            if not ok:
+                log.error("SGLang server %s is not answering: left out until the next generate() restarts it",
+                          server.url)
+                with self._lock:
+                    server.version, server.down = -1, True
+
+    def _live(self) -> list[Server]:
+        return [s for s in self.servers if not s.down]
+
     def _check_server(self, server: Server) -> None:
         """Take a dead server out of rotation; restart it when this process launched it."""
         if server.client.healthy("/health"):
+            server.down = False  # back (restarted elsewhere): it takes part in the next update
             return
         with self._lock:
             server.version = -1  # holds no trained weights until the next full update
@@ -223,7 +252,10 @@ class SGLangEngine(RolloutEngine):
                 server.process.stop()
                 return
             wait_healthy([server], self.cfg.startup_timeout_s)
+            if self._released:  # as released as its peers: the next resume restores what it names
+                server.client.post("/release_memory_occupation", {"tags": sorted(self._released)})
             with self._lock:
+                server.down = False
                 server.restarts += 1
                 self.stats["restarts"] += 1
                 if self._version == 0:
@@ -241,7 +273,7 @@ class SGLangEngine(RolloutEngine):
         """POST `path` to every (given) server concurrently; raise on the first failure. SGLang
         answers a failed weight-update or memory request with HTTP 400 and {"success": false}
         (entrypoints/http_server.py), which the client raises as SGLangHTTPError."""
-        targets = self.servers if servers is None else servers
+        targets = self._live() if servers is None else servers
         with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
             return list(pool.map(lambda s: s.client.post(path, body or {}), targets))
 
@@ -270,8 +302,9 @@ class SGLangEngine(RolloutEngine):
                 server.client.post("/end_weight_update")
                 return server.client.post("/begin_weight_update")
 
-        with ThreadPoolExecutor(max_workers=max(1, len(self.servers))) as pool:
-            list(pool.map(begin, self.servers))
+        live = self._live()
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            list(pool.map(begin, live))
 
     def note_sent(self, names: Iterable[str]) -> None:
         """Transports report what reached every server (FP8 KV scales are checked at finish)."""
@@ -288,8 +321,6 @@ class SGLangEngine(RolloutEngine):
             self.begin_update(version)
         bucket = list(named_tensors)
         flat, meta = flatten_bucket(bucket)
-        if flat.is_cuda:
-            _sglang.patch_cuda_ipc_reductions()
         payload = serialize_flattened(flat, meta)
         # One payload per server (each has one TP rank, checked above). No flush per bucket: SGLang
         # fails the update when a request runs or waits at its flush (weight_updater.py:120-133 of
@@ -327,7 +358,7 @@ class SGLangEngine(RolloutEngine):
             self._session_open = False
         self.flush_cache()
         with self._lock:
-            for s in self.servers:
+            for s in self._live():  # a server down since the pause missed the update
                 s.version = version
             self._version, self._pending = version, None
             self._weights_released = False
@@ -346,15 +377,24 @@ class SGLangEngine(RolloutEngine):
                     log.info("%s: flush_cache refused (%s); retrying", server.url, err.body.strip()[:80])
                     time.sleep(retry_s)
 
-        with ThreadPoolExecutor(max_workers=max(1, len(self.servers))) as pool:
-            list(pool.map(flush, self.servers))
+        live = self._live()
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            list(pool.map(flush, live))
 
     def pause(self) -> None:
-        """Stop generation on every server; a launched server found dead is restarted first (it then
-        takes part in the full update that follows)."""
-        for server in self.servers:
-            self._check_server(server)
+        """Stop generation on every live server. One found dead is left out of the update that follows
+        (never restarted here: see _mark_down); the next generate() restarts it, and it holds the
+        checkpoint until the update after that reaches it."""
+        self._mark_down()
         self.broadcast("/pause_generation", {"mode": self.cfg.pause_mode})
+
+    def follow_version(self, version: int) -> None:
+        """A client of servers another rank updates: that rank's update to `version` is over (the
+        world barrier at the end of WeightSync.sync), so every sample must now carry it."""
+        with self._lock:
+            self._version = version
+            for s in self.servers:
+                s.version = version
 
     def resume(self) -> None:
         self.broadcast("/continue_generation")
@@ -362,11 +402,17 @@ class SGLangEngine(RolloutEngine):
     def release_memory(self, tags: tuple[str, ...] | None = None) -> None:
         """Colocated: free weights and/or KV cache (SGLang discards the weights: a full update
         follows). Tags as ReleaseMemoryOccupationReqInput.tags (managers/io_struct.py)."""
+        self._mark_down()
         self.broadcast("/release_memory_occupation", {"tags": list(tags)} if tags else {})
         self._weights_released |= not tags or "weights" in tags
+        self._released |= set(tags or MEMORY_TAGS)
 
     def resume_memory(self, tags: tuple[str, ...] | None = None) -> None:
+        """Restore `tags` on the live servers (SGLang refuses to resume a tag that is not released:
+        a restarted server is released to match its peers, see _check_server)."""
+        self._mark_down()
         self.broadcast("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
+        self._released -= set(tags or MEMORY_TAGS)
 
     def check_weights(self) -> list[dict]:
         """SGLang's /weights_checker checksum of what every server holds (one reply per server)."""
@@ -384,8 +430,12 @@ def _refused_message(url: str, err: SGLangHTTPError) -> str:
             f"answer: {err.body.strip()[:500]}")
 
 
-def row_sampling_params(row, sampling: SamplingParams) -> dict:
-    """One row's SGLang sampling_params (names of srt/sampling/sampling_params.py)."""
+def row_sampling_params(row, sampling: SamplingParams, per_row_seed: bool = True) -> dict:
+    """One row's SGLang sampling_params (names of srt/sampling/sampling_params.py).
+
+    per_row_seed: add a `sampling_seed` (when sampling.seed is set). SGLang reads it only under
+    --enable-deterministic-inference (srt/sampling/sampling_batch_info.py: the seeds tensor is built
+    only when enable_deterministic_inference is on); elsewhere it only makes every row its own request."""
     index, _, replica = row
     p = {"temperature": sampling.temperature, "top_p": sampling.top_p,
          "max_new_tokens": sampling.max_new_tokens, "ignore_eos": sampling.ignore_eos}
@@ -399,15 +449,14 @@ def row_sampling_params(row, sampling: SamplingParams) -> dict:
         p["repetition_penalty"] = sampling.repetition_penalty
     if sampling.stop:  # SGLang trims the text only; output_ids keep the stop string's tokens
         p["stop"] = list(sampling.stop)
-    # Distinct per row, else the n replicas would be identical. SGLang uses it only under
-    # --enable-deterministic-inference (rollout.sglang.deterministic_inference); otherwise rows
-    # come from the server's generator and a rerun samples differently.
-    if sampling.seed is not None:
+    # Distinct per row, else the n replicas would be identical. Without deterministic inference rows
+    # come from the server's generator (a distinct --random-seed per server: sglang_server.server_seed).
+    if per_row_seed and sampling.seed is not None:
         p["sampling_seed"] = (sampling.seed * 1_000_003 + index * 1_009 + replica) % 2**31
     return p
 
 
-def request_chunks(rows, sampling: SamplingParams, max_rows: int) -> list[list]:
+def request_chunks(rows, sampling: SamplingParams, max_rows: int, per_row_seed: bool = True) -> list[list]:
     """Consecutive rows with identical sampling params, at most `max_rows` per request: sglang-router
     parses one sampling_params object per /generate (sgl-model-gateway src/protocols/generate.rs,
     `sampling_params: Option<SamplingParams>`) and answers 422 to a list, so a request never mixes
@@ -415,7 +464,7 @@ def request_chunks(rows, sampling: SamplingParams, max_rows: int) -> list[list]:
     chunks: list[list] = []
     last = None
     for row in rows:
-        params = row_sampling_params(row, sampling)
+        params = row_sampling_params(row, sampling, per_row_seed)
         if chunks and params == last and len(chunks[-1]) < max_rows:
             chunks[-1].append(row)
         else:
@@ -424,9 +473,10 @@ def request_chunks(rows, sampling: SamplingParams, max_rows: int) -> list[list]:
     return chunks
 
 
-def _generate_body(rows, sampling: SamplingParams) -> dict:
+def _generate_body(rows, sampling: SamplingParams, per_row_seed: bool = True) -> dict:
     """One /generate body: a batch of input_ids and the single sampling_params they share."""
-    return {"input_ids": [prompt for _, prompt, _ in rows], "sampling_params": row_sampling_params(rows[0], sampling),
+    return {"input_ids": [prompt for _, prompt, _ in rows],
+            "sampling_params": row_sampling_params(rows[0], sampling, per_row_seed),
             "return_logprob": True, "logprob_start_len": -1}
 
 

@@ -14,11 +14,14 @@ next element size, so no padding is needed and both sides compute the same offse
 from __future__ import annotations
 
 import base64
+import copyreg
 import io
+import pickle
 import types
 from multiprocessing.reduction import ForkingPickler
 
 import torch
+from torch.multiprocessing import reductions
 
 NamedTensor = tuple[str, torch.Tensor]
 LOAD_FORMAT = "flattened_bucket"
@@ -67,15 +70,81 @@ def serialize_flattened(flat: torch.Tensor, metadata) -> str:
     endpoint takes it. Only globals on SGLang's SafeUnpickler allow-list appear in the pickle:
     torch rebuild functions, torch.Size / dtypes and types.SimpleNamespace for the metadata.
 
-    CUDA tensors travel as IPC handles (call `_sglang.patch_cuda_ipc_reductions()` first); CPU
+    CUDA tensors travel as IPC handles whose device is named by UUID (`SGLangIpcPickler`); CPU
     tensors as shared-memory files, which needs torch's "file_system" sharing strategy because a
     file descriptor cannot travel inside an HTTP body.
     """
-    if not flat.is_cuda:
-        torch.multiprocessing.set_sharing_strategy("file_system")
     buf = io.BytesIO()
-    ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+    if _is_cuda(flat):
+        SGLangIpcPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+    else:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
     return base64.b64encode(buf.getvalue()).decode()
+
+
+# SGLang rebuilds an IPC tensor with its own function, which maps the device from the GPU's UUID
+# (srt/utils/patch_torch.py _rebuild_cuda_tensor_modified / _device_from_maybe_uuid; the name is on
+# SafeUnpickler's allow-list, srt/utils/common.py): the sender's device index means nothing under
+# the server's CUDA_VISIBLE_DEVICES. sglang's monkey_patch_torch_reductions makes torch's
+# reduce_tensor write that function and the UUID in argument 6 (_REDUCE_TENSOR_ARG_DEVICE_INDEX);
+# the pickler below writes the same bytes for one payload, with neither sglang importable in the
+# trainer (a server_command runs SGLang in another environment) nor torch patched globally.
+SGLANG_CUDA_REBUILD = ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")
+DEVICE_ARG = 6
+
+
+class _SGLangRebuild:
+    """Stands for SGLANG_CUDA_REBUILD in a reduction; pickled as that global name only (callable
+    because pickle requires a reduction's function to be; it runs only in SGLang)."""
+
+    def __call__(self, *args):
+        raise RuntimeError("SGLang's CUDA rebuild runs in the server, never in the trainer")
+
+
+_SGLANG_REBUILD = _SGLangRebuild()
+
+
+def _is_cuda(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda
+
+
+def _torch_reduce(tensor: torch.Tensor):
+    """torch's own reduce_tensor (the one before sglang's patch, if sglang patched this process)."""
+    return getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)(tensor)
+
+
+def _device_uuid(device) -> str:
+    """What sglang's _device_to_uuid writes (patch_torch.py): the GPU's UUID, as a string."""
+    return device if isinstance(device, str) else str(torch.cuda.get_device_properties(device).uuid)
+
+
+class SGLangIpcPickler(pickle._Pickler):
+    """ForkingPickler's reductions (torch's storages, file descriptors), with CUDA tensors reduced
+    the way SGLang's unpickler rebuilds them (see SGLANG_CUDA_REBUILD). The Python pickler: only it
+    lets save_global be overridden, and a payload is a few handles and the metadata."""
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.dispatch_table = copyreg.dispatch_table.copy()
+        self.dispatch_table.update(ForkingPickler._extra_reducers)
+
+    def reducer_override(self, obj):
+        if obj is _SGLANG_REBUILD:
+            return SGLANG_CUDA_REBUILD[1]  # a name: pickle calls save_global below
+        if isinstance(obj, torch.Tensor) and _is_cuda(obj):
+            fn, args = _torch_reduce(obj)
+            if fn in (reductions.rebuild_cuda_tensor, getattr(reductions, "_rebuild_cuda_tensor_original", None)):
+                return _SGLANG_REBUILD, (*args[:DEVICE_ARG], _device_uuid(args[DEVICE_ARG]), *args[DEVICE_ARG + 1:])
+            return fn, args
+        return NotImplemented
+
+    def save_global(self, obj, name=None):
+        if obj is not _SGLANG_REBUILD:
+            return super().save_global(obj, name)
+        module, qualname = SGLANG_CUDA_REBUILD
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
 
 
 def kv_scale_tensors(scales: list[tuple[float, float]], device: str = "cpu") -> list[tuple[str, torch.Tensor]]:

@@ -13,13 +13,19 @@ from megatron_rl.rollout.sglang_client import SGLangClient
 from megatron_rl.rollout.sglang_config import SGLangConfig
 
 
-def server_args(cfg: SGLangConfig, model_path: str, port: int, base_gpu_id: int, seed: int) -> list[str]:
+def server_args(cfg: SGLangConfig, model_path: str, port: int, base_gpu_id: int, seed: int,
+                dist_port: int | None = None) -> list[str]:
     """`sglang.launch_server` arguments of one server (one TP group), without --api-key (added by
-    `build_servers`, so the key never lands in a config dump or a log of these arguments)."""
+    `build_servers`, so the key never lands in a config dump or a log of these arguments).
+
+    dist_port: the port of its torch.distributed rendezvous (--nccl-port, from `dist_ports`); None
+    leaves SGLang to draw a random free one (srt/server_args.py PortArgs.init_new)."""
     args = ["--model-path", model_path, "--host", cfg.host, "--port", str(port),
             "--tp-size", str(cfg.tp_size), "--base-gpu-id", str(base_gpu_id),
             "--mem-fraction-static", str(cfg.mem_fraction_static), "--random-seed", str(seed),
             "--kv-cache-dtype", cfg.kv_cache_dtype, "--weight-version", "0"]
+    if dist_port is not None:
+        args += ["--nccl-port", str(dist_port)]
     if cfg.quantization:
         args += ["--quantization", cfg.quantization]
     if cfg.deterministic_inference:
@@ -27,6 +33,61 @@ def server_args(cfg: SGLangConfig, model_path: str, port: int, base_gpu_id: int,
     if cfg.mode == "colocated":
         args += ["--enable-memory-saver"]  # release/resume_memory_occupation need it
     return args + list(cfg.extra_args)
+
+
+def server_seed(seed: int, index: int) -> int:
+    """--random-seed of server `index` (numbered over the whole job, colocated and disaggregated
+    alike). Distinct per server: without --enable-deterministic-inference SGLang ignores the
+    per-row sampling_seed (srt/sampling/sampling_batch_info.py) and samples from the server's own
+    generator, so two servers with one seed return the same tokens for the same prompt."""
+    return seed + index
+
+
+# A server's torch.distributed port (--nccl-port) is searched from its HTTP port + this offset.
+DIST_PORT_OFFSET = 1000
+# The weight group of the nccl transport moves to nccl_master_port + 1, + 2, ... after each server
+# restart (sync/sglang_transport.py SGLangNcclTransport._init_group): that many ports stay reserved.
+WEIGHT_GROUP_PORTS = 64
+
+
+def reserved_ports(cfg: SGLangConfig) -> dict[int, str]:
+    """Ports no server may take, with what holds each: the trainer's rendezvous (MASTER_PORT:
+    torchrun's agent store listens there) and the router."""
+    held = {cfg.router_port: "rollout.sglang.router_port"}
+    master = os.environ.get("MASTER_PORT", "")
+    if master.isdigit():
+        held[int(master)] = f"the trainer's rendezvous port MASTER_PORT={master}"
+    return held
+
+
+def dist_ports(cfg: SGLangConfig, http_ports: list[int]) -> list[int]:
+    """One torch.distributed port per server: SGLang's scheduler always rendezvouses on
+    tcp://<host>:<nccl_port> (srt/distributed/bootstrap.py _resolve_dist_init_method, then
+    parallel_state.py init_process_group), tp = 1 included. Left to SGLang, the port is drawn at
+    random from 22000-29999 (utils/network.py get_free_port_below_ephemeral), the range of
+    torchrun's MASTER_PORT; two servers starting together can draw the same. Chosen here: HTTP
+    port + DIST_PORT_OFFSET, or + 2 x, 3 x ... the offset where that is reserved (reserved_ports)
+    or taken, so a moved port never lands on the next server's (two launchers of one host whose
+    HTTP ports are not a multiple of the offset apart never collide either)."""
+    for flag in ("--nccl-port", "--dist-init-addr", "--nccl-init-addr"):
+        if flag in cfg.extra_args:
+            raise ValueError(f"rollout.sglang.extra_args: {flag} is set by the launcher (one distinct port "
+                             "per server, never the trainer's rendezvous port); remove it")
+    held = reserved_ports(cfg)
+    for port in http_ports:
+        if port in held:
+            raise ValueError(f"rollout.sglang.base_port: server port {port} is {held[port]}; choose another base_port")
+    if cfg.weight_transport == "nccl":  # the weight group's store listens on the trainer's host
+        held.update(dict.fromkeys(range(cfg.nccl_master_port, cfg.nccl_master_port + WEIGHT_GROUP_PORTS)))
+    chosen: list[int] = []
+    for port in http_ports:
+        candidate = port + DIST_PORT_OFFSET
+        while candidate in held or candidate in http_ports or candidate in chosen:
+            candidate += DIST_PORT_OFFSET
+        if candidate > 65535:
+            raise ValueError(f"rollout.sglang.base_port: no free dist port above {port} (ports end at 65535)")
+        chosen.append(candidate)
+    return chosen
 
 
 def router_args(cfg: SGLangConfig, worker_urls: list[str]) -> list[str]:
@@ -89,6 +150,9 @@ class Server:
     version: int = 0
     restarts: int = 0
     in_flight: int = field(default=0, compare=False)
+    down: bool = field(default=False, compare=False)
+    """Found dead by a pause or a memory call: left out of every update and memory call until the
+    next generate() restarts it (SGLangEngine._restart_down)."""
 
     @property
     def url(self) -> str:
@@ -107,15 +171,22 @@ SERVER_ENV_DEFAULTS = {
 }
 
 
-# torchrun tells its workers to rendezvous through its agent's store: with this set, torch's tcp://
-# rendezvous (torch/distributed/rendezvous.py _create_c10d_store) makes only a CLIENT of the store,
-# so a server started from a torchrun worker waited forever for a master in its own
-# init_process_group(init_method="tcp://...") and in /init_weights_update_group.
-TORCHRUN_ONLY_ENV = ("TORCHELASTIC_USE_AGENT_STORE",)
+# What torchrun puts in its workers' environment (torch/distributed/elastic/agent/server/
+# local_elastic_agent.py LocalElasticAgent._start_workers and _set_local_rank_env; the agent's own
+# TORCHELASTIC_* from elastic/multiprocessing/api.py and launcher/api.py). A server started from a
+# worker must see none of it: with TORCHELASTIC_USE_AGENT_STORE=True torch's tcp:// rendezvous makes
+# every rank a store client (torch/distributed/rendezvous.py _create_c10d_store), so SGLang's
+# scheduler, rank 0 of its own world, waits for a store nobody starts. TORCH_NCCL_ASYNC_ERROR_HANDLING
+# is kept: torchrun only defaults it, and a user's value is meant for every NCCL process.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_PREFIXES = ("TORCHELASTIC_",)
 
 
 def launch_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ONLY_ENV}
+    """The environment of a launched server or router: this process's, without torchrun's."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in TORCHRUN_VARS and not k.startswith(TORCHRUN_PREFIXES)}
     for key, value in SERVER_ENV_DEFAULTS.items():
         env.setdefault(key, value)
     return env
@@ -125,19 +196,22 @@ def build_servers(cfg: SGLangConfig, model_path: str, api_key: str, seed: int = 
                   log_dir: Path | None = None, argv_fn=None) -> list[Server]:
     """The engine's servers: the configured URLs, or `num_servers` launched here (not yet started).
 
-    argv_fn(port, base_gpu_id) -> argv overrides the whole command line (tests use it to give one
-    server of several a different flag).
+    seed: server i gets --random-seed server_seed(seed, i) (a caller launching part of a job's
+    servers passes seed + the index of its first). argv_fn(port, base_gpu_id) -> argv overrides
+    the whole command line (tests use it to give one server of several a different flag).
     """
     if cfg.server_urls:
         return [Server(SGLangClient(u, api_key, cfg.request_timeout_s), cfg.tp_size) for u in cfg.server_urls]
+    http = [cfg.base_port + i for i in range(cfg.num_servers)]
+    dist = dist_ports(cfg, http) if argv_fn is None else [None] * len(http)
     servers = []
-    for i in range(cfg.num_servers):
-        port, gpu = cfg.base_port + i, i * cfg.tp_size
+    for i, (port, dist_port) in enumerate(zip(http, dist)):
+        gpu = i * cfg.tp_size
         if argv_fn is not None:
             argv = argv_fn(port, gpu)
         else:
-            argv = _sglang.server_argv(server_args(cfg, model_path, port, gpu, seed) + ["--api-key", api_key],
-                                       cfg.server_command)
+            args = server_args(cfg, model_path, port, gpu, server_seed(seed, i), dist_port)
+            argv = _sglang.server_argv(args + ["--api-key", api_key], cfg.server_command)
         log = log_dir / f"sglang_server_{i}.log" if log_dir else None
         proc = ManagedProcess(argv, launch_env(), log)
         client = SGLangClient(f"http://{cfg.host}:{port}", api_key, cfg.request_timeout_s)

@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatron_rl import collectives
-from megatron_rl.rollout import _sglang
 from megatron_rl.rollout.sglang_payload import (LOAD_FORMAT, distributed_spec, flatten_bucket,
                                                 serialize_flattened)
 from megatron_rl.sync.buckets import NamedTensor
@@ -90,17 +89,26 @@ class SGLangTensorTransport:
 
     def send(self, bucket: list[NamedTensor], version: int) -> None:
         flat, metadata = flatten_bucket(bucket)
-        if flat.is_cuda:
-            _sglang.patch_cuda_ipc_reductions()
         payload = serialize_flattened(flat, metadata)
         payloads = self.gather(payload) if self.gather is not None else None
         if self.gather is not None and payloads is None:
             return  # a non-sending rank of the gather group
+        if payloads is None and flat.is_cuda and len(self.engine.servers) > 1:
+            raise ValueError(f"{len(self.engine.servers)} colocated servers and one CUDA payload: every server "
+                             "but the one on this GPU would open IPC handles of another GPU's memory; the "
+                             "transport needs a gather over the host's GPUs (loop.build.wire_ipc_gather)")
+        posts = []  # (server, body): each server's own payloads (index = its place on the host's GPUs)
         for index, server in enumerate(self.engine.servers):
+            if server.down:
+                continue  # found dead at begin(): out of this update (SGLangEngine.pause)
             per_rank = payloads_for_server(payloads, index, server.tp_size) if payloads is not None else [payload]
-            self.engine.broadcast("/update_weights_from_tensor", {
-                "serialized_named_tensors": per_rank, "load_format": LOAD_FORMAT,
-                "flush_cache": False, "weight_version": str(version)}, servers=[server])
+            posts.append((server, {"serialized_named_tensors": per_rank, "load_format": LOAD_FORMAT,
+                                   "flush_cache": False, "weight_version": str(version)}))
+        with ThreadPoolExecutor(max_workers=max(1, len(posts))) as pool:  # every server copies at once
+            calls = [pool.submit(self.engine.broadcast, "/update_weights_from_tensor", body, [server])
+                     for server, body in posts]
+            for call in calls:
+                call.result()
         self.checked.record(bucket)
         if hasattr(self.gather, "done"):
             self.gather.done()  # the peers may drop their buffers: every server has opened its handle
@@ -151,8 +159,6 @@ def ipc_peer(group, src: int):
 
     def peer(bucket: list[NamedTensor]) -> None:
         flat, metadata = flatten_bucket(bucket)
-        if flat.is_cuda:
-            _sglang.patch_cuda_ipc_reductions()
         gather(serialize_flattened(flat, metadata))
         gather.done()
 
@@ -186,7 +192,7 @@ class SGLangNcclTransport:
     def begin(self, version: int) -> None:
         self.engine.pause()
         self.engine.flush_cache()
-        members = [(s.url, s.restarts) for s in self.engine.servers]
+        members = [(s.url, s.restarts) for s in self._live()]
         if self.group is None or members != self._members:
             self._init_group()
             self._members = members
@@ -199,8 +205,8 @@ class SGLangNcclTransport:
                                       servers=self._holders())
                 collectives.destroy_group(self.group)
                 self._epoch += 1
-            world, offsets = 1, []
-            for server in self.engine.servers:
+            world, offsets, live = 1, [], self._live()
+            for server in live:
                 offsets.append(world)
                 world += server.tp_size
             bodies = [{"master_address": self.master_addr, "master_port": self.master_port + self._epoch,
@@ -208,16 +214,20 @@ class SGLangNcclTransport:
                        "backend": self.backend} for off in offsets]
             with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
                 calls = [pool.submit(self.engine.broadcast, "/init_weights_update_group", b, [s])
-                         for b, s in zip(bodies, self.engine.servers)]
+                         for b, s in zip(bodies, live)]
                 self.group = collectives.rendezvous_group_as_rank0(
                     self.master_addr, self.master_port + self._epoch, world, self._name(), self.backend, self.timeout)
                 for call in calls:
                     call.result()
 
+    def _live(self) -> list:
+        """The servers taking part in this update (one found dead at pause() is left out)."""
+        return [s for s in self.engine.servers if not s.down]
+
     def _holders(self) -> list:
         """The servers that joined the current group: the processes it was formed with. One restarted
         since never had it; one restarted before (and then joined) does."""
-        return [s for s in self.engine.servers if (s.url, s.restarts) in self._members]
+        return [s for s in self._live() if (s.url, s.restarts) in self._members]
 
     def _name(self) -> str:
         return f"{self.group_name}_{self._epoch}"

@@ -38,7 +38,7 @@ class WeightSync:
 
     def __init__(self, actor, transport: WeightTransport | None, quant: RolloutQuantSpec,
                  bucket_mb: float = 512.0, check: bool = False, wait_for_owners: bool = False,
-                 wait_group=None, peer=None, kv_scales=None) -> None:
+                 wait_group=None, peer=None, kv_scales=None, follower=None) -> None:
         self.actor = actor
         self.transport = transport
         self.quant = quant
@@ -52,6 +52,9 @@ class WeightSync:
         sent with every sync after the weights (pipeline stage 0's buckets: one copy)."""
         """peer(bucket) on a rank without a transport whose GPU copy feeds a server by CUDA IPC
         (sync.sglang_transport.ipc_peer); None elsewhere."""
+        self.follower = follower
+        """A client rank's engine (samples through servers another rank updates): told each new
+        version once the owners' updates are over, so it refuses samples of older weights."""
         self.version = 0
 
     def _local_buckets(self) -> Iterator[list[NamedTensor]]:
@@ -103,6 +106,8 @@ class WeightSync:
             metrics["sync/check_mismatches"] = float(self._verify(digests))
         if self.wait_for_owners:
             collectives.barrier(self.wait_group)  # world: the owners' pause -> update -> continue is over
+        if self.follower is not None:
+            self.follower.follow_version(version)
         return metrics
 
     def _verify(self, digests: dict[str, str]) -> int:

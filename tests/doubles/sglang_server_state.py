@@ -82,6 +82,7 @@ class ServerState:
         self.cond = threading.Condition()
         self.gen_lock = threading.Lock()
         self.log: list[str] = []
+        self.generate_rows: list[int] = []  # rows (input_ids entries) of each /generate, in arrival order
         # SGLANG_DOUBLE_RECORD=<folder>: one JSON line per request into <folder>/<host>_<port>.jsonl with the
         # server's state as the request arrives (paused, weight version, update session open,
         # released memory tags), so a test can assert what the client did when.
@@ -176,6 +177,8 @@ class ServerState:
         ids = body["input_ids"]
         batch = bool(ids) and isinstance(ids[0], list)
         rows = ids if batch else [ids]
+        with self.cond:
+            self.generate_rows.append(len(rows))
         params = body.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(rows)
         with self.gen_lock:
@@ -384,6 +387,10 @@ class ServerState:
     def double_log(self, body):
         return 200, list(self.log)
 
+    def double_generate_rows(self, body):
+        """Test introspection: how many rows each /generate request carried."""
+        return 200, list(self.generate_rows)
+
     def double_hf_digests(self, body):
         """Test introspection: digests of the held weights split back into HF names."""
         return 200, {n: tensor_digest(t) for n, t in weights.to_hf(self.params)}
@@ -405,6 +412,7 @@ ROUTES = {"/health": ServerState.health, "/health_generate": ServerState.health_
           "/init_weights_update_group": ServerState.init_weights_update_group,
           "/destroy_weights_update_group": ServerState.destroy_weights_update_group,
           "/weights_checker": ServerState.weights_checker, "/_double/log": ServerState.double_log,
+          "/_double/generate_rows": ServerState.double_generate_rows,
           "/_double/hf_digests": ServerState.double_hf_digests, "/_double/kv_scales": ServerState.double_kv_scales}
 
 

@@ -715,3 +715,33 @@ def test_a_colocated_owner_launches_its_hosts_servers_whatever_the_section_lists
     assert (owner.host, owner.num_servers, owner.server_urls) == ("node-a", 2, [])  # it starts its own two
     assert client.server_urls == placement.servers_for(1) and client.router_url == ""
     assert not owner.launch_router and not client.launch_router  # colocated: no router, whoever asks
+
+
+COLOCATED = ["rollout.sglang.mode=colocated", "rollout.sglang.weight_transport=tensor"]
+DISAGGREGATED = ["rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=nccl"]
+
+
+@pytest.mark.parametrize("overrides, parked", [
+    ([*COLOCATED, "train.colocated_protocol=true"], True),
+    ([*COLOCATED, "train.colocated_protocol=false"], False),
+    ([*DISAGGREGATED, "train.colocated_protocol=true"], False),
+])
+def test_the_reference_leaves_the_device_before_colocated_servers_start(make_run, monkeypatch, overrides, parked):
+    """SGLang sizes its KV cache from the memory free when it starts: the reference (on the device
+    only inside its own forward with the colocated protocol) must be off it by then."""
+    refs, resident = [], []
+    real_reference = build.build_reference
+
+    def reference(*args):
+        refs.append(real_reference(*args))
+        return refs[-1]
+
+    def rollout(cfg, model_dir, parallel, host_groups=None):  # where the owners start their servers
+        resident.append(sum(p.untyped_storage().nbytes() for p in refs[0].model[0].parameters()))
+        return None, None, None
+
+    monkeypatch.setattr(build, "build_reference", reference)
+    monkeypatch.setattr(build, "build_rollout", rollout)
+    make_run("algo.kl_loss_coef=0.1", "rollout.engine=sglang", *overrides)
+    params = sum(p.numel() * p.element_size() for p in refs[0].model[0].parameters())
+    assert params > 0 and resident == [0 if parked else params]

@@ -30,11 +30,3 @@ def test_servers_start_without_the_deepgemm_precompile(monkeypatch):
     env = launch_env()
     assert env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] == "false" and env["SGLANG_JIT_DEEPGEMM_FAST_WARMUP"] == "false"
 
-
-def test_servers_started_from_a_torchrun_worker_host_their_own_tcp_rendezvous(monkeypatch):
-    from megatron_rl.rollout.sglang_server import launch_env
-
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun gives its workers
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    env = launch_env()
-    assert "TORCHELASTIC_USE_AGENT_STORE" not in env and env["LOCAL_RANK"] == "3"

@@ -94,7 +94,8 @@ def test_every_server_flag_is_a_sglang_server_arg():
     import sglang_protocol
 
     cfg = SGLangConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3")
-    flags = [a for a in server_args(cfg, "/m", 30000, 0, seed=1) if a.startswith("--")]
+    flags = [a for a in server_args(cfg, "/m", 30000, 0, seed=1, dist_port=31000) if a.startswith("--")]
+    assert "--nccl-port" in flags
     run_cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
                                  "rollout.sglang.weight_transport=nccl", "rollout.sglang.tp_size=4"])
     plan = placement_for_config(run_cfg, ["r1", "r2", "t"], 8, rollout_nodes=2)

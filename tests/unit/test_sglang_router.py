@@ -74,7 +74,7 @@ def test_generate_through_the_router_reaches_both_servers(routed):
 @needs_sglang_source
 @pytest.mark.timeout(DOUBLES_TIMEOUT_S)
 def test_a_refused_request_is_reported_once_not_retried(routed, monkeypatch):
-    def list_body(rows, sampling):  # the body before the fix: one sampling_params entry per row
+    def list_body(rows, sampling, per_row_seed=True):  # the body before the fix: one sampling_params entry per row
         return {"input_ids": [p for _, p, _ in rows], "return_logprob": True,
                 "sampling_params": [engine_mod.row_sampling_params(r, sampling) for r in rows]}
 
