@@ -51,6 +51,17 @@ def greedy(seed: int, prompt: list[int], steps: int) -> tuple[list[int], list[fl
     return out, logprobs
 
 
+def greedy_from_folder(folder, prompt: list[int], steps: int) -> list[int]:
+    """Argmax tokens of a saved HF checkpoint (the servers' starting weights)."""
+    from transformers import AutoModelForCausalLM
+
+    model, out = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), []
+    with torch.no_grad():
+        for _ in range(steps):
+            out.append(int(model(torch.tensor([prompt + out])).logits[0, -1].argmax()))
+    return out
+
+
 def buckets(seed: int, count: int = 2) -> list[list[tuple[str, torch.Tensor]]]:
     named = weights_of(seed)
     step = -(-len(named) // count)
