@@ -40,8 +40,8 @@ def real_sglang_ready() -> None:
 
 @pytest.fixture(scope="session")
 def real_model(real_sglang_ready, tmp_path_factory) -> Path:
-    """The checkpoint every server here starts from (seed 0)."""
-    return real_sglang.make_model(tmp_path_factory.mktemp("real_qwen2"))
+    """The checkpoint every server here starts from (real_sglang.make_model)."""
+    return real_sglang.make_model(tmp_path_factory.mktemp("real_run"))
 
 
 @pytest.fixture(scope="session")

@@ -65,16 +65,27 @@ def router_command() -> list[str]:
     return [python(), "-m", "sglang_router.launch_router"]
 
 
-def make_model(out: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen2 with the project's character tokenizer (built offline), as SGLang loads it."""
-    from megatron_rl.data.char_tokenizer import build_char_tokenizer
-    from megatron_rl.models.tiny import make_tiny_hf_model
+EXAMPLES = REPO / "examples" / "tiny"
+# The tiny run every server here starts from: examples/tiny/bf16.yaml made small (the e2e tier's
+# settings); its warm-started Qwen2 (64 hidden, 2 layers, 4 heads, 2 KV heads, the character
+# tokenizer's 46 ids) is what `megatron-rl eval` of that config syncs into the server.
+TINY = ["model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "train.sft_steps=30",
+        "train.sft_batch_size=16", "log.progress=false", "log.tensorboard=false", "log.plot=false",
+        "checkpoint.save_final=false"]
 
-    tokenizer = build_char_tokenizer()
-    make_tiny_hf_model("qwen2", out, seed=seed, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    tokenizer.save_pretrained(out)
-    return out
+
+def tiny_config(*overrides: str):
+    from megatron_rl.config import load_config
+
+    return load_config(EXAMPLES / "bf16.yaml", [*TINY, *overrides])
+
+
+def make_model(root: Path) -> Path:
+    """The warm-started tiny Qwen2 (config.json, safetensors, the character tokenizer) under
+    root/.tiny_models, where a run with log.dir=root/<name> finds it (loop/build.py)."""
+    from megatron_rl.loop.warmstart import prepare_tiny_model
+
+    return prepare_tiny_model(tiny_config(), root / ".tiny_models")
 
 
 def sglang_config(**overrides):

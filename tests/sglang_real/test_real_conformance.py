@@ -23,7 +23,7 @@ from sglang_testing import API_KEY, start_double
 
 @pytest.fixture(scope="module")
 def double(real_model):
-    proc, url = start_double(real_model, "--weight-version", "0")
+    proc, url = start_double(real_model, "--weight-version", "0", *real_sglang.CPU_ARGS)  # --dtype float32 too
     yield SGLangClient(url, API_KEY, timeout_s=60)
     proc.kill()
     proc.wait()
@@ -52,8 +52,12 @@ def _model_dir(engine):
     return Path(engine.servers[0].client.get("/model_info")["model_path"])
 
 
+_SENT: list[torch.Tensor] = []  # CPU payloads are shared-memory files: alive until the module ends
+
+
 def _payload(named) -> str:
     flat, meta = flatten_bucket(named)
+    _SENT.append(flat)
     return serialize_flattened(flat, meta)
 
 
