@@ -45,7 +45,7 @@ def real_model(real_sglang_ready, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_engine(real_model):
+def real_engine(real_model, tmp_path_factory):
     """The project's SGLangEngine on one launched real server. Disaggregated flags: colocated mode adds
     --enable-memory-saver, whose LD_PRELOAD hook (torch_memory_saver) needs libcuda.so.1 to start."""
     from megatron_rl.rollout.sglang_engine import SGLangEngine
@@ -53,6 +53,6 @@ def real_engine(real_model):
 
     cfg = real_sglang.sglang_config(base_port=free_port_block(1), mode="disaggregated",
                                      weight_transport="nccl")
-    engine = SGLangEngine(cfg, real_model, seed=0, log_dir=real_sglang.log_dir("main"))
+    engine = SGLangEngine(cfg, real_model, seed=0, log_dir=tmp_path_factory.mktemp("main_server"))
     yield engine
     engine.shutdown()

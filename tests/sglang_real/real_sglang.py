@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -97,10 +96,6 @@ def sglang_config(**overrides):
               server_command=server_command(), router_command=router_command(), extra_args=list(CPU_ARGS))
     kw.update(overrides)
     return SGLangConfig(**kw)
-
-
-def log_dir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=f"real_sglang_{prefix}_"))
 
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.05):

@@ -77,9 +77,6 @@ def push(transport, engine, seed: int) -> int:
     return version
 
 
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-
-
 def assert_serves(engine, seed: int, steps: int = 8) -> None:
     samples = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True))
     for sample, prompt in zip(samples, PROMPTS):

@@ -3,10 +3,6 @@ engine's generate through it, and the router double checked against it on what b
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
-
 import pytest
 
 import real_sglang
@@ -17,30 +13,30 @@ from test_real_engine import PROMPTS, greedy, push
 
 
 @pytest.fixture(scope="module")
-def second_server(real_model):
+def second_server(real_model, tmp_path_factory):
     """A second real server, launched the way build_servers launches one (its own start here)."""
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     cfg = real_sglang.sglang_config(base_port=free_port_block(1), mode="disaggregated", weight_transport="nccl")
-    engine = SGLangEngine(cfg, real_model, seed=1, log_dir=real_sglang.log_dir("second"))
+    engine = SGLangEngine(cfg, real_model, seed=1, log_dir=tmp_path_factory.mktemp("second_server"))
     yield engine.servers[0]
     engine.shutdown()
 
 
-def _router_engine(real_engine, second_server, command):
+def _router_engine(real_engine, second_server, command, log_dir):
     from megatron_rl.rollout.sglang_engine import SGLangEngine
 
     cfg = real_sglang.sglang_config(server_urls=[real_engine.servers[0].url, second_server.url],
                                     launch_router=True, router_port=free_port_block(1), router_command=command,
                                     mode="disaggregated", weight_transport="nccl", startup_timeout_s=120)
-    return SGLangEngine(cfg, "unused: the servers run already", log_dir=real_sglang.log_dir("router"))
+    return SGLangEngine(cfg, "unused: the servers run already", log_dir=log_dir)
 
 
 @pytest.fixture(scope="module")
-def routers(real_engine, second_server):
+def routers(real_engine, second_server, tmp_path_factory):
     """{"real": engine through sgl-router, "double": engine through the router double}, same workers."""
-    engines = {"real": _router_engine(real_engine, second_server, real_sglang.router_command()),
-               "double": _router_engine(real_engine, second_server, ROUTER_COMMAND)}
+    engines = {name: _router_engine(real_engine, second_server, command, tmp_path_factory.mktemp(f"router_{name}"))
+               for name, command in (("real", real_sglang.router_command()), ("double", ROUTER_COMMAND))}
     yield engines
     for engine in engines.values():
         engine.shutdown()

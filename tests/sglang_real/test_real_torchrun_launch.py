@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import real_sglang
 from sglang_testing import free_port_block
 
