@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, once per machine, the virtual environment in which the real SGLang server runs on CPU for
 # the tests in tests/sglang_real (PyPI's sglang with its own pins: torch 2.14.1 CUDA build, which
-# runs on CPU; about 4.4 GB of downloads, 11 GB on disk, ~8 minutes).
+# runs on CPU; about 4.4 GB of downloads, 11 GB on disk, 4-8 minutes).
 #
 #   tools/sglang_cpu_venv.sh          # build if absent; print the venv's path
 #   tools/sglang_cpu_venv.sh --path   # only print where it is (or would be)

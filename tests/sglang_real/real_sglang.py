@@ -26,7 +26,7 @@ REPO = HERE.parents[1]
 BUILD_SCRIPT = REPO / "tools" / "sglang_cpu_venv.sh"
 SERVER_PATH = HERE / "server_path"
 API_KEY = "real-sglang-key-5c1d"
-START_S = 240.0  # measured start to healthy: 47-80 s on 2 idle cores
+START_S = 240.0  # start to healthy: 47-100 s on 2 idle cores, 150-185 s on 2 cores at load 12-16
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
             "--max-total-tokens", "4096", "--dtype", "float32"]
 # SGLang sizes the KV pool from the host's free memory on CPU; --max-total-tokens caps it at 4096
@@ -47,7 +47,7 @@ def missing() -> str | None:
     venv = venv_dir()
     if not (venv / ".megatron_rl_complete").is_file():
         return (f"the real SGLang server's virtual environment {venv} is not built; build it once per machine "
-                f"with `{BUILD_SCRIPT.relative_to(REPO)}` (about 4.4 GB download, 11 GB on disk, ~8 minutes)")
+                f"with `{BUILD_SCRIPT.relative_to(REPO)}` (about 4.4 GB download, 11 GB on disk, 4-8 minutes)")
     return None
 
 
