@@ -35,13 +35,19 @@ sglang/srt/, version 0.5.23):
   /generate answer's meta_info carries it (tokenizer_manager.py:2511).
 - pause_generation: new /generate requests wait until continue_generation
   (tokenizer_manager.py:938-939, 2267-2286); mode "abort" ends requests in flight with
-  finish_reason abort and waits until none runs.
-- flush_cache: 400 while any request runs or waits, health-generation probes included
+  finish_reason {"type": "abort", "message": "Aborted"} and waits until none runs; "retract" and
+  "in_place" keep them and they answer after continue_generation, reporting the weight version
+  current then (checked against the real server: tests/sglang_real/test_real_conformance.py).
+- flush_cache: 400 "Flush cache failed." while any request runs, waits or is held by an in_place
+  pause (a retracted one does not count), health-generation probes included
   (scheduler.py:5518-5547, http_server.py:1025-1040); /health_generate holds a 1-token request for
   --health-generate-s seconds (http_server.py:721-790), so a probe can collide with a flush.
-- release/resume_memory_occupation with tags (weights, kv_cache, cuda_graph; none = all), only when
-  idle (weight_updater.py:337-420). Released weights are discarded (torch_memory_saver without CPU
-  backup): after resume they hold garbage (zeros here) until the next update. /generate while weights or the KV
+- release/resume_memory_occupation with tags (weights, kv_cache, cuda_graph; none = all). A release
+  while a request is inside, or a resume of a tag that is not released, raises in SGLang's scheduler
+  (weight_updater.py:337-391: an assert, offload_tags.remove), and a scheduler exception ends the
+  whole server (scheduler.py:6370-6379): the double exits without answering. Released weights are
+  discarded (torch_memory_saver without CPU backup): after resume they hold garbage (zeros here)
+  until the next update. /generate while weights or the KV
   cache are released would touch unmapped memory in SGLang; here it is refused with 400. A resume
   restores only the tags it names (weight_updater.py:383-420); with SGLANG_MEMORY_SAVER_CUDA_GRAPH
   set (and graphs on) the graphs live in the "cuda_graph" region (runner_backend/
@@ -51,6 +57,7 @@ sglang/srt/, version 0.5.23):
   weights release, renamed from `self_attn.k_scale` on load, re-derived at every update's end
   (KvScales in sglang_server_state.py, kv_cache.py:32-82); GET /_double/kv_scales shows them.
 - load_weights with SGLang's name mapping per architecture (see sglang_weights_double.py).
+- ignore_eos turns off stop_token_ids too (managers/schedule_batch.py `_check_token_based_finish`).
 - sampling_seed is honoured only with --enable-deterministic-inference
   (sampling/sampling_batch_info.py:157-171); otherwise the server's own generator (--random-seed).
 - /flush_cache answers text/plain; weight-update endpoints {"success", "message"}.

@@ -70,6 +70,7 @@ class ServerState:
         self.weight_version = args.weight_version
         self.session: dict | None = None
         self.paused, self.abort_epoch, self.in_flight = False, 0, 0
+        self.pause_mode, self.retracted = "abort", 0
         self.kv = KvScales(self.config["num_hidden_layers"]) if args.kv_cache_dtype.startswith("fp8") else None
         self.released: set[str] = set()
         # CUDA graphs live in torch_memory_saver's "cuda_graph" region only when the server starts
@@ -153,6 +154,10 @@ class ServerState:
         try:
             self._maybe_die()
             out = self._generate_rows(body, epoch)
+            with self.cond:  # a request kept by a retract / in_place pause answers after continue
+                self.cond.wait_for(lambda: not self.paused or self.abort_epoch != epoch)
+                for item in out if isinstance(out, list) else [out]:  # the version when it finished
+                    item["meta_info"]["weight_version"] = self.weight_version
         finally:
             with self.cond:
                 self.in_flight -= 1
@@ -190,9 +195,11 @@ class ServerState:
 
     def _one_row(self, prompt, p, body):
         seed = p.get("sampling_seed") if self.args.enable_deterministic_inference else None
+        # ignore_eos turns off every token-based stop, stop_token_ids included
+        # (managers/schedule_batch.py `_check_token_based_finish` returns early)
+        stop_ids = () if p.get("ignore_eos", False) else tuple(p.get("stop_token_ids") or ())
         sp = SamplingParams(temperature=p.get("temperature", 1.0), top_p=p.get("top_p", 1.0),
-                            max_new_tokens=p.get("max_new_tokens", 128),
-                            stop_token_ids=tuple(p.get("stop_token_ids") or ()),
+                            max_new_tokens=p.get("max_new_tokens", 128), stop_token_ids=stop_ids,
                             ignore_eos=p.get("ignore_eos", False), seed=seed,
                             top_k=p.get("top_k", -1), min_p=p.get("min_p", 0.0), stop=tuple(p.get("stop") or ()))
         s = self.engine.generate([prompt], sp)[0]
@@ -216,30 +223,43 @@ class ServerState:
     # ---- pause / flush / memory ----------------------------------------------------------
 
     def pause_generation(self, body):
+        """abort ends the requests inside (finish_reason abort, message "Aborted":
+        managers/schedule_batch.py:335); retract and in_place keep them, and they answer only after
+        continue_generation (their tokens here all come from the weights they started on: generation
+        is one step in the double). retract frees their KV cache, so a flush may run meanwhile;
+        in_place holds it, so /flush_cache is refused until they finish."""
         with self.cond:
             self.paused = True
-            if body.get("mode", "abort") == "abort":
+            self.pause_mode = body.get("mode", "abort")
+            if self.pause_mode == "abort":
                 self.abort_epoch += 1
                 self.cond.wait_for(lambda: self.in_flight == 0, timeout=60)
+            elif self.pause_mode == "retract":
+                self.retracted = self.in_flight
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, body):
         with self.cond:
             self.paused = False
+            self.retracted = 0
             self.cond.notify_all()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def flush_cache(self, body):
+        """Refused while a request runs, waits, or is held by an in_place pause; a request retracted by a
+        retract pause does not count (entrypoints/http_server.py:1025-1040 writes these bodies; the
+        scheduler's flush_cache checks is_fully_idle, scheduler.py:5518-5547)."""
         with self.cond:
-            if self.in_flight:
-                return 400, f"Cache not flushed because there are pending requests. #running-req: {self.in_flight}\n"
-        return 200, "Cache flushed.\nPlease check backend logs for more details.\n"
+            if self.in_flight - self.retracted:
+                return 400, "Flush cache failed.\n"
+        return 200, ("Cache flushed.\nPlease check backend logs for more details. "
+                     "(When there are running or waiting requests, the operation will not be performed.)\n")
 
     def release_memory_occupation(self, body):
         tags = body.get("tags") or list(MEMORY_TAGS)
         with self.cond:
             if self.in_flight:
-                return 500, {"error": "release_memory_occupation should be called only when server is idle."}
+                _scheduler_dies("AssertionError: release_memory_occupation should be called only when server is idle.")
             self.released |= set(tags)
         if "weights" in tags:
             for p in self.params.values():
@@ -252,8 +272,8 @@ class ServerState:
     def resume_memory_occupation(self, body):
         tags = body.get("tags") or list(MEMORY_TAGS)
         missing = set(tags) - self.released
-        if missing:
-            return 500, {"error": f"KeyError: tags {sorted(missing)} were not released"}  # set.remove
+        if missing:  # offload_tags.remove (weight_updater.py:383-391)
+            _scheduler_dies(f"KeyError: {sorted(missing)[0]!r}")
         self.released -= set(tags)
         return 200, None
 
@@ -318,7 +338,12 @@ class ServerState:
             self.weight_version = body["weight_version"]
         if body.get("flush_cache", True) and self.in_flight:
             return _fail("Weights were updated, but the cache was not flushed because requests are still running")
-        return _ok("Succeeded to update parameter online.")
+        # the scheduler's message (tensor "Success", distributed "Succeeded to update parameter online.",
+        # scheduler_components/weight_updater.py:213-244) plus tokenizer_control_mixin.py:529-531's suffix
+        message = "Success" if "serialized_named_tensors" in body else "Succeeded to update parameter online."
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return _ok(message)
 
     def update_weight_version(self, body):
         self.weight_version = body["new_version"]
@@ -373,7 +398,10 @@ class ServerState:
         self.dirty = True
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
-        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        message = "Succeeded to update model weights."
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return 200, {"success": True, "message": message, "num_paused_requests": 0}
 
     def weights_checker(self, body):
         if body.get("action", "checksum") != "checksum":
@@ -442,9 +470,18 @@ def validate_body(path: str, body: dict) -> None:
                 raise BadRequest(f"SamplingParams: unknown field(s) {sorted(extra)}")
 
 
+def _scheduler_dies(error: str) -> None:
+    """An exception in SGLang's scheduler event loop ends the whole server: run_scheduler_process
+    (managers/scheduler.py:6370-6379) logs it and SIGQUITs the parent, which kills its process tree;
+    the request gets no answer (the connection closes)."""
+    print(f"Scheduler hit an exception: {error}", flush=True)
+    os._exit(1)
+
+
 def _aborted(version: str) -> dict:
     return {"text": "", "output_ids": [], "meta_info": {
-        "id": "r", "finish_reason": {"type": "abort", "message": "Abort before prefill"}, "weight_version": version}}
+        "id": "r", "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+        "weight_version": version}}
 
 
 def _digest(t: torch.Tensor) -> str:
