@@ -138,15 +138,16 @@ def check_block_alignment(model_dir: str | Path, spec: RolloutQuantSpec) -> None
 
 def _ragged_dims(config: dict, block: tuple[int, int]) -> list[str]:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, (config.get("num_key_value_heads") or 1) * head_dim
+    heads = config["num_attention_heads"]
+    q, kv = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim  # HF: kv heads default to heads
     group, block_n = block[1], block[0]
     inputs = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
               "num_attention_heads * head_dim": q}
     outputs = {"q": q, "k": kv, "v": kv, "gate/up": config["intermediate_size"]}
-    return ([f"activation groups of {group} do not divide the linear input dim {k} = {v}"
-             for k, v in inputs.items() if v % group] +
-            [f"merged output partition {k} = {v} is not a multiple of block_n = {block_n}"
-             for k, v in outputs.items() if v % block_n])
+    ragged_in = {k: v for k, v in inputs.items() if v % group}
+    ragged_out = {k: v for k, v in outputs.items() if v % block_n}
+    return ([f"activation groups of {group} do not divide the model's linear input dims {ragged_in}"] * bool(ragged_in)
+            + [f"block_n = {block_n} does not divide the merged output partitions {ragged_out}"] * bool(ragged_out))
 
 
 def _fitting_block(model_dir: str | Path) -> int:

@@ -83,8 +83,8 @@ def test_sglang_refuses_the_128_block_checkpoint_before_a_server_starts(smollm2_
     with pytest.raises(ValueError) as err:
         check_block_alignment(smollm2_dir, spec)
     message = str(err.value)
-    for part in ("input dim hidden_size = 576", "merged output partition q = 576", "k = 192", "v = 192",
-                 "a block that fits: [64, 64]"):
+    for part in ("input dims {'hidden_size': 576, 'num_attention_heads * head_dim': 576}",
+                 "merged output partitions {'q': 576, 'k': 192, 'v': 192}", "a block that fits: [64, 64]"):
         assert part in message
     assert "intermediate_size" not in message and "gate/up" not in message  # 1536 = 12 blocks
     check_block_alignment(smollm2_dir, RolloutQuantSpec("fp8_blockwise", (64, 64)))  # 576 = 9 x 64, 192 = 3 x 64
