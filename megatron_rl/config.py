@@ -274,7 +274,8 @@ class SyncConfig:
 @dataclass
 class DataConfig:
     task: str = "sort"
-    """Built-in task for the tiny demo; ignored when `path` is set."""
+    """Built-in task (data/tasks.py): sort, reverse, add, chain for the tiny model; word_math (English
+    word problems, math_verify) for a real one. Ignored when `path` is set."""
     path: str = ""
     """Prompt dataset (.jsonl or .parquet)."""
     prompt_key: str = "prompt"
@@ -450,7 +451,7 @@ class EvalDatasetConfig:
     """Prompt file (.jsonl or .parquet) with data.prompt_key and data.answer_key, formatted as the
     training prompts (the same dataset code). Empty: the built-in `task`."""
     task: str = ""
-    """Built-in task (sort | reverse | add | chain) when `path` is empty; its prompts are drawn with a
+    """Built-in task (sort | reverse | add | chain | word_math) when `path` is empty; its prompts are drawn with a
     seed of their own and the training prompts are removed, so the set is held out."""
     n_samples: int = 1
     """Responses per problem (n >= every k of `metrics`)."""
