@@ -1,8 +1,8 @@
 """Every training recipe on the real model's shapes, whose hidden size 576 is 4.5 blocks of 128 and
 whose k/v projections are 192 = 1.5 blocks: partial blocks are quantized as if zero-padded (TE's
 ceil-div scale layout), so each recipe trains; the BF16 shadow over all 30 layers is the plain
-model bitwise. The recipes run on the first two real layers (the same shapes, a fifteenth of the
-time); the shadow on the whole model."""
+model bitwise and calibration matches BF16's clip share after an update. The recipes run on the
+first two real layers (the same shapes, a fifteenth of the time); shadow and calibration on all 30."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.actor.actor import MegatronActor
+from megatron_rl.algo.calib_solve import Rules
+from megatron_rl.algo.calibrated_clip import calibrate_bounds
 from megatron_rl.fp8 import Fp8Recipe
 from megatron_rl.fp8.recipe import FP4_RECIPES, RECIPES
 
@@ -65,15 +67,35 @@ def test_each_recipe_trains_on_the_real_shapes(recipe, two_layers, smollm2_token
     assert len(linears) == 14 and all(not torch.equal(before[n], after[n]) for n in linears)
 
 
-def test_the_bf16_shadow_of_all_30_layers_is_the_plain_model(smollm2_dir, smollm2_tokenizer, single_parallel):
+def test_shadow_and_calibration_over_all_30_layers(smollm2_dir, smollm2_tokenizer, single_parallel):
+    """The BF16 shadow is the plain model bitwise; after one update, the calibrated lower bound L
+    clips the same share of negative-advantage tokens under FP8 as 1 - eps_low does under BF16."""
     tokens = chat_tokens(smollm2_tokenizer)
-    batch = {"tokens": tokens, "loss_mask": torch.ones(tokens.shape)}
+    adv = torch.tensor([[1.0], [-1.0]]).expand(tokens.shape).contiguous()
+    batch = {"tokens": tokens, "loss_mask": torch.ones(tokens.shape), "advantages": adv}
     plain = MegatronActor.build(smollm2_dir, parallel=single_parallel, frozen=True)
-    fp8 = MegatronActor.build(smollm2_dir, parallel=single_parallel, fp8_recipe=Fp8Recipe("blockwise"), frozen=True)
-    ref = plain.compute_logprobs(batch, micro_batch_size=2, with_entropy=False)["logprobs"]
-    assert torch.equal(fp8.compute_logprobs(batch, micro_batch_size=2, fp8=False, with_entropy=False)["logprobs"], ref)
-    log_ratio = (fp8.compute_logprobs(batch, micro_batch_size=2, with_entropy=False)["logprobs"] - ref)[:, 1:]
+    fp8 = MegatronActor.build(smollm2_dir, parallel=single_parallel, fp8_recipe=Fp8Recipe("blockwise"), lr=3e-6)
+
+    def logprobs(actor, quantized=True):
+        return actor.compute_logprobs(batch, micro_batch_size=2, fp8=quantized, with_entropy=False)["logprobs"][:, 1:]
+
+    ref = logprobs(plain)
+    assert torch.equal(logprobs(fp8, quantized=False), ref)
+    old_fp8, old_bf16 = logprobs(fp8), ref
+    log_ratio = old_fp8 - old_bf16
     print(f"blockwise FP8 vs BF16 over 30 layers: log-ratio std {log_ratio.std():.3g}, max {log_ratio.abs().max():.3g}")
     # Measured 0.44-0.56: the real model's residual stream carries massive activations (abs max
     # ~2.5e4 from layer 5 on, median 2-7), which a shared FP8 scale cannot hold with the rest.
     assert 0.05 < log_ratio.std() < 1.0
+    assert not fp8.train_step(batch, pg_loss, micro_batch_size=2)["skipped"]
+    r_fp8, r_bf16 = (logprobs(fp8) - old_fp8).exp(), (logprobs(fp8, quantized=False) - old_bf16).exp()
+    negative = adv[:, 1:] < 0
+    low, high = calibrate_bounds(r_fp8, r_bf16, adv[:, 1:], torch.ones_like(r_fp8), eps_low=0.2, eps_high=0.2,
+                                 rules=Rules(alpha_tolerance_tokens=0.0))
+    alpha = (r_bf16[negative] < 0.8).float().mean().item()
+    clipped_fp8 = (r_fp8[negative] < low).float().mean().item()
+    print(f"after one update: BF16 lower-clips {alpha:.3f} of A<0 tokens; L = {low:.4f}, H = {high:.4f} "
+          f"clips {clipped_fp8:.3f} under FP8 (0.8 would clip {(r_fp8[negative] < 0.8).float().mean():.3f})")
+    assert alpha > 0  # the update moved the negative sample's tokens down: there is something to match
+    assert (r_fp8[negative] < 0.8).float().mean().item() != alpha and low != 0.8  # FP8 noise: 0.8 is off
+    assert abs(clipped_fp8 - alpha) <= 1.0 / negative.sum().item() + 1e-9  # within one token
