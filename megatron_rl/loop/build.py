@@ -216,7 +216,8 @@ def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
     engine = TorchRolloutEngine(model_dir, rollout_quant=p.rollout_quant,
                                 weight_block_size=tuple(p.weight_block_size), scale_format=p.scale_format,
                                 high_precision=tuple(p.high_precision), seed=cfg.train.seed,
-                                kv_cache_dtype=cfg.rollout.kv_cache_dtype)
+                                kv_cache_dtype=cfg.rollout.kv_cache_dtype,
+                                device="cuda" if torch.cuda.is_available() else "cpu")  # the trainer's GPU
     return engine, InProcessTransport(engine)
 
 
