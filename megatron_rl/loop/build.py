@@ -14,6 +14,7 @@ import torch
 
 from megatron_rl import collectives
 from megatron_rl.config import RunConfig, save_config
+from megatron_rl.convert.gguf_to_hf import cached_hf_dir
 from megatron_rl.cluster.launch import placement_for_run
 from megatron_rl.cluster.placement import Placement
 
@@ -110,7 +111,13 @@ def build_fp8_recipe(cfg: RunConfig):
 
 
 def build_model_dir(cfg: RunConfig, parallel) -> Path:
-    """The HF folder to start from: the user's, or the tiny warm-started one (built on rank 0)."""
+    """The HF folder to start from: the user's, the GGUF's cached conversion, or the tiny
+    warm-started one (both converted or built on rank 0)."""
+    if cfg.model.gguf:
+        if parallel.rank == 0:
+            cached_hf_dir(cfg.model.gguf)
+        collectives.barrier(None)  # the other ranks read what rank 0 wrote
+        return cached_hf_dir(cfg.model.gguf)
     if cfg.model.hf_dir:
         path = Path(cfg.model.hf_dir)
         if not (path / "config.json").is_file():
@@ -214,7 +221,8 @@ def build_engine(cfg: RunConfig, model_dir: Path, placement: Placement | None = 
     engine = TorchRolloutEngine(model_dir, rollout_quant=p.rollout_quant,
                                 weight_block_size=tuple(p.weight_block_size), scale_format=p.scale_format,
                                 high_precision=tuple(p.high_precision), seed=cfg.train.seed,
-                                kv_cache_dtype=cfg.rollout.kv_cache_dtype)
+                                kv_cache_dtype=cfg.rollout.kv_cache_dtype,
+                                device="cuda" if torch.cuda.is_available() else "cpu")  # the trainer's GPU
     return engine, InProcessTransport(engine)
 
 

@@ -303,7 +303,7 @@ def evaluate_checkpoint(cfg, checkpoint: str = "", output: str = "") -> dict:
         run.sync.sync()
         evaluator = Evaluator.build(run)
         evaluator.evaluate(step, dump_dir=out_dir / "eval_samples")
-        results = {"checkpoint": str(folder) if folder else (cfg.model.hf_dir or "tiny built-in model"),
+        results = {"checkpoint": str(folder) if folder else (cfg.model.hf_dir or cfg.model.gguf or "tiny built-in model"),
                    "step": step, "precision": cfg.eval.precision, "rollout_quant": cfg.precision.rollout_quant,
                    "datasets": evaluator.results}
         if run.is_log_rank:

@@ -119,17 +119,40 @@ def check_scale_format(spec: RolloutQuantSpec, sm: int) -> None:
 
 
 def check_block_alignment(model_dir: str | Path, spec: RolloutQuantSpec) -> None:
-    """ValueError when a quantized linear's input dim K is not a multiple of the activation group
-    (weight_block_size[1]): SGLang's per-token-group quantizer asserts K % group == 0
-    (kernels/ops/quantization/fp8_kernel.py:502) at the first forward, on every server at once."""
+    """ValueError when SGLang would refuse the block-FP8 model at its first forward or at load:
+    a quantized linear's input dim K not a multiple of the activation group (weight_block_size[1]):
+    its per-token-group quantizer asserts K % group == 0 (kernels/ops/quantization/fp8_kernel.py:502);
+    or a merged linear's output partition (qkv_proj: q, k, v; gate_up_proj) not a multiple of
+    block_n: Fp8LinearMethod.validate_block_quant_shapes (layers/quantization/fp8.py:570-609) raises
+    at load. The trainer's recipes and the embedded engine pad such partial blocks instead
+    (SmolLM2-135M: hidden 576 = 4.5 blocks of 128, k/v 192 = 1.5)."""
     if spec.rollout_quant != "fp8_blockwise":
         return
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dims = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
-            "num_attention_heads * head_dim": config["num_attention_heads"] * head_dim}
-    group = spec.weight_block_size[1]
-    ragged = {k: v for k, v in dims.items() if v % group}
+    ragged = _ragged_dims(json.loads((Path(model_dir) / "config.json").read_text()), spec.weight_block_size)
     if ragged:
-        raise ValueError(f"config key 'precision.weight_block_size': activation groups of {group} do not "
-                         f"divide the model's linear input dims {ragged}; SGLang refuses such K")
+        fit = _fitting_block(model_dir)
+        raise ValueError(f"config key 'precision.weight_block_size': {'; '.join(ragged)}: SGLang refuses "
+                         f"{list(spec.weight_block_size)} for this model; a block that fits: [{fit}, {fit}] "
+                         "(or rollout.engine=torch, which pads partial blocks)")
+
+
+def _ragged_dims(config: dict, block: tuple[int, int]) -> list[str]:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config["num_attention_heads"]
+    q, kv = heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim  # HF: kv heads default to heads
+    group, block_n = block[1], block[0]
+    inputs = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
+              "num_attention_heads * head_dim": q}
+    outputs = {"q": q, "k": kv, "v": kv, "gate/up": config["intermediate_size"]}
+    ragged_in = {k: v for k, v in inputs.items() if v % group}
+    ragged_out = {k: v for k, v in outputs.items() if v % block_n}
+    return ([f"activation groups of {group} do not divide the model's linear input dims {ragged_in}"] * bool(ragged_in)
+            + [f"block_n = {block_n} does not divide the merged output partitions {ragged_out}"] * bool(ragged_out))
+
+
+def _fitting_block(model_dir: str | Path) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    size = 128
+    while size > 1 and _ragged_dims(config, (size, size)):
+        size //= 2
+    return size

@@ -22,12 +22,16 @@ from pathlib import Path
 import real_sglang
 from sglang_testing import free_port_block
 
+from megatron_rl.rollout.sglang_server import DIST_PORT_OFFSET
+
 WORKER = Path(__file__).with_name("_torchrun_worker.py")
 START_S = 200  # a healthy start takes 47-100 s here; a scheduler stuck in _create_c10d_store never ends
 
 
 def _torchrun(model: Path, tmp: Path, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
     master, http = free_port_block(1), free_port_block(1)
+    if "--collide" in flags:  # the launcher's first dist port for this server is MASTER_PORT
+        http = master - DIST_PORT_OFFSET
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
            "--master-port", str(master), str(WORKER), str(model), str(tmp / "out.json"), str(http), *flags]
     env = dict(os.environ, START_S=str(START_S), OMP_NUM_THREADS="1",
@@ -51,14 +55,17 @@ def test_a_server_launched_from_a_torchrun_worker_starts_and_serves(real_model, 
     assert out["tokens"] == greedy_from_folder(real_model, [1, 5, 6, 7], 4)
 
 
-def test_sglang_dist_port_on_masters_port_never_hangs_the_start(real_model, tmp_path):
-    """SGLang's dist port forced onto torchrun's MASTER_PORT (the collision of issue 39, item 1). With
-    the worker's environment inherited, the scheduler joins torchrun's own store as a client (the agent
-    hosts it) and the server starts; a server given a clean environment binds that port itself and
-    must fail at once naming it. Either way the start ends long before the startup timeout; a
-    scheduler waiting in _create_c10d_store on a store nobody hosts would not."""
+def test_a_dist_port_that_would_be_masters_port_is_moved_and_the_server_starts(real_model, tmp_path):
+    """The collision of issue 39, item 1: the server's HTTP port is MASTER_PORT - DIST_PORT_OFFSET, so
+    the launcher's first choice of SGLang's dist port is torchrun's MASTER_PORT, where the agent's
+    store listens. The launcher moves it one offset further; the server, started without torchrun's
+    environment, rendezvouses on its own port, starts and serves the checkpoint's greedy tokens."""
+    from test_real_engine import greedy_from_folder
+
     proc, elapsed = _torchrun(real_model, tmp_path, "--collide")
-    log = _server_log(tmp_path)
-    if proc.returncode != 0:
-        assert "address already in use" in (log + proc.stderr).lower(), proc.stderr[-3000:] + log
+    assert proc.returncode == 0, proc.stderr[-3000:] + _server_log(tmp_path)
+    out = json.loads((tmp_path / "out.json").read_text())
+    master = int(out["worker_env"]["MASTER_PORT"])
+    assert out["dist_port"] == master + DIST_PORT_OFFSET  # moved off MASTER_PORT, one offset further
+    assert out["tokens"] == greedy_from_folder(real_model, [1, 5, 6, 7], 4)
     assert elapsed < START_S, f"the start took {elapsed:.0f} s"

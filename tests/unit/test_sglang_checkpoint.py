@@ -67,6 +67,17 @@ def test_ragged_k_refused_for_sglang(tmp_path):
         ck.check_block_alignment(path, RolloutQuantSpec("fp8_blockwise", (128, 128)))
 
 
+def test_a_merged_partition_off_the_block_is_refused_as_sglang_does(tmp_path):
+    """qkv_proj's k and v partitions (1 kv head x 16 = 16 rows) must each start on a 32-row scale
+    block (validate_block_quant_shapes checks merged partitions at any TP); K (64, 128) fits."""
+    path = fake_checkpoint(tmp_path, num_key_value_heads=1)  # head_dim 64 / 4 = 16
+    with pytest.raises(ValueError) as err:
+        ck.check_block_alignment(path, RolloutQuantSpec("fp8_blockwise", (32, 32)))
+    assert "block_n = 32 does not divide the merged output partitions {'k': 16, 'v': 16}" in str(err.value)
+    assert "activation groups" not in str(err.value) and "a block that fits: [16, 16]" in str(err.value)
+    ck.check_block_alignment(path, RolloutQuantSpec("fp8_blockwise", (16, 16)))
+
+
 def test_servers_get_an_automatic_fp8_checkpoint(qwen2_dir, tmp_path):
     cfg = load_config(None, ["rollout.engine=sglang", "precision.rollout_quant=fp8_blockwise",
                              "precision.train_recipe=blockwise", "precision.weight_block_size=[32,32]",
