@@ -1,0 +1,96 @@
+"""Value tests of rewards/, data/ and telemetry/stats: which "Answer:" DAPO's reward reads, reward
+components aligned with their samples when one sample fails, the pool's chunk sizes, the loader's
+per-epoch orders across a resume and its last batch, Fisher's test on a table with ties."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_rl.data.loader import PromptLoader
+from megatron_rl.rewards.dapo import INVALID, TAIL_CHARS, dapo_reward
+from megatron_rl.rewards.runner import RewardRunner, _chunks
+from megatron_rl.telemetry.stats import fisher_exact
+
+
+def test_dapo_reads_the_last_answer_inside_the_tail():
+    assert dapo_reward("Answer: 3\nno wait\nAnswer: 4", "4")["score"] == 1.0
+    assert dapo_reward("Answer: 4\nno wait\nAnswer: 3", "4") == {"score": -1.0, "acc": 0.0, "pred": "3"}
+    early = "Answer: 4\n" + "x" * TAIL_CHARS  # the only answer lies before the searched tail
+    assert dapo_reward(early, "4") == {"score": -1.0, "acc": 0.0, "pred": INVALID}
+
+
+def graded(response, answer):
+    if response == "boom":
+        raise RuntimeError("grader down")
+    return {"score": float(response == answer), "fmt": float(len(response))}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_components_stay_aligned_with_their_samples_after_a_failure(workers):
+    with RewardRunner(graded, timeout_s=60.0, num_workers=workers) as runner:
+        rewards, stats = runner.score(["a", "boom", "ccc", "dd"], ["a", "x", "c", "dd"])
+    assert rewards == [1.0, 0.0, 0.0, 1.0]
+    assert stats["components"] == {"fmt": [1.0, 0.0, 3.0, 2.0]}  # the failed sample's slot holds 0
+    assert stats["num_errors"] == 1
+
+
+@pytest.mark.parametrize("count, workers, sizes", [
+    (16, 3, [2] * 8),  # 12 parts: ceil(16 / 12) = 2 items each
+    (12, 3, [1] * 12),
+    (13, 3, [2] * 6 + [1]),
+    (5, 8, [1] * 5),
+])
+def test_pool_chunk_sizes(count, workers, sizes):
+    assert [len(c) for c in _chunks(count, workers, False)] == sizes
+
+
+def _dataset(n):
+    return [f"p{i}" for i in range(n)]
+
+
+def test_each_epoch_has_its_own_order_and_a_resume_in_a_later_epoch_continues_it():
+    data = _dataset(10)
+    run = PromptLoader(data, batch_size=4, seed=3)
+    batches = [run.next_batch() for _ in range(8)]  # 32 items: epochs 0, 1, 2 and part of 3
+    epochs = [[p for b in batches for p in b][10 * e:10 * e + 10] for e in range(3)]
+    assert all(sorted(e) == data for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3  # three different permutations
+    first = PromptLoader(data, batch_size=4, seed=3)
+    for _ in range(4):  # 16 items: stops inside epoch 1
+        first.next_batch()
+    resumed = PromptLoader(data, batch_size=4, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    assert [resumed.next_batch() for _ in range(4)] == batches[4:]
+
+
+def test_a_loader_of_num_epochs_drops_the_last_partial_batch():
+    loader = PromptLoader(_dataset(5), batch_size=3, seed=0, num_epochs=2)  # 10 items: 3 full batches
+    assert loader.num_batches == 3
+    assert len(list(loader)) == 3
+    with pytest.raises(StopIteration):
+        loader.next_batch()
+    assert PromptLoader(_dataset(5), batch_size=5, seed=0, num_epochs=1).num_batches == 1
+
+
+def test_fisher_exact_counts_the_tables_as_likely_as_the_observed_one():
+    # 3 of 4 against 1 of 4: margins 4, 4, 4; P(a) = C(4,a) C(4,4-a) / 70 = 1, 16, 36, 16, 1 (/ 70).
+    # a = 1 is as likely as the observed a = 3: p = (1 + 16 + 16 + 1) / 70 (R: fisher.test 0.4857).
+    assert fisher_exact(3, 4, 1, 4) == pytest.approx(34 / 70)
+    assert fisher_exact(2, 4, 2, 4) == pytest.approx(1.0)
+    assert fisher_exact(4, 4, 0, 4) == pytest.approx(2 / 70)
+
+
+def test_fisher_exact_against_enumeration_on_random_tables():
+    from math import comb
+
+    rng = random.Random(0)
+    for _ in range(30):
+        n_a, n_b = rng.randint(1, 8), rng.randint(1, 8)
+        e_a, e_b = rng.randint(0, n_a), rng.randint(0, n_b)
+        total = comb(n_a + n_b, e_a + e_b)
+        probs = {a: comb(n_a, a) * comb(n_b, e_a + e_b - a) / total
+                 for a in range(0, n_a + 1) if 0 <= e_a + e_b - a <= n_b}
+        expected = sum(p for p in probs.values() if p <= probs[e_a] * (1 + 1e-7))
+        assert fisher_exact(e_a, n_a, e_b, n_b) == pytest.approx(min(1.0, expected))
