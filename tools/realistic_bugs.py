@@ -143,7 +143,41 @@ BUGS = [
         ("tests/e2e/test_stop_request.py",), "stop request decided by each rank, not rank 0's view"),
 ]
 
-AFTER: list[Bug] = []  # filled in below, after the tests were written
+AFTER: list[Bug] = [  # written after the tests of issue 42, not tailored to them
+    Bug("a01", "after", "megatron_rl/rewards/runner.py",
+        '_fail_head(worker, queue, stats, "num_timeouts", f"timed out',
+        '_fail_head(worker, queue, stats, "num_errors", f"timed out',
+        (U + "test_rewards_pool.py", U + "test_rewards_runner.py"), "a reward timeout counted as an error"),
+    Bug("a02", "after", "megatron_rl/algo/eval_metrics.py", "if n - c < k:", "if n - c <= k:",
+        (U + "test_eval_metrics.py", U + "test_values_algo.py"), "pass@k is 1 already when n - c == k"),
+    Bug("a03", "after", "megatron_rl/loop/refill.py",
+        "kept_groups = torch.nonzero(keep.view(-1, group_size).all(dim=1)).flatten()[:groups]",
+        "kept_groups = torch.nonzero(keep.view(-1, group_size).all(dim=1)).flatten()",
+        (U + "test_refill_plan.py", U + "test_values_loop.py"), "refill trains every kept group of the last round, not the planned count"),
+    Bug("a04", "after", "megatron_rl/loop/run_folder.py",
+        "if identity and key in old and old[key] != new[key]:", "if identity and old.get(key) != new[key]:",
+        (U + "test_run_folder.py", U + "test_values_loop.py"), "a key an older config.yaml lacks refuses the resume"),
+    Bug("a05", "after", "megatron_rl/loop/evaluate.py",
+        'longest = collectives.all_reduce(longest, run.parallel.dp_group, op="max")',
+        'longest = collectives.all_reduce(longest, run.parallel.dp_group, op="sum")',
+        (U + "test_eval_sampling.py", U + "test_values_loop.py", "tests/dist/test_values_collective.py"),
+        "eval's longest response summed over DP ranks"),
+    Bug("a06", "after", "megatron_rl/data/loader.py",
+        "return None if not self.num_epochs else self.num_epochs * len(self.dataset) // self.batch_size",
+        "return None if not self.num_epochs else -(-self.num_epochs * len(self.dataset) // self.batch_size)",
+        (U + "test_data_loader.py", U + "test_values_rewards_data.py"), "the last partial batch of num_epochs served"),
+    Bug("a07", "after", "megatron_rl/telemetry/stats.py",
+        "sum(rng.choices(b, k=len(b))) / len(b)", "sum(rng.choices(b, k=len(a))) / len(a)",
+        (U + "test_stats.py", U + "test_values_rewards_data.py"), "bootstrap resamples arm b at arm a's size"),
+    Bug("a08", "after", "megatron_rl/loop/sampling.py",
+        'return {**prompt.extra, "prompt": prompt.prompt_text}', 'return {"prompt": prompt.prompt_text, **prompt.extra}',
+        (U + "test_eval_sampling.py", U + "test_values_loop.py"), "a row column named prompt replaces the prompt text"),
+    Bug("a09", "after", "megatron_rl/loop/best.py",
+        "if value is None or not math.isfinite(value):", "if value is None:",
+        (U + "test_eval_bookkeeping.py", U + "test_values_loop.py"), "a NaN eval score becomes the best checkpoint"),
+    Bug("a10", "after", "megatron_rl/loop/signals.py", "    _STOP.clear()\n", "",
+        (U + "test_signals.py", U + "test_values_loop.py"), "a SIGUSR1 of an earlier training stops the next one in the process"),
+]
 BUGS += AFTER
 
 

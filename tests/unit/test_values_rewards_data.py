@@ -94,3 +94,15 @@ def test_fisher_exact_against_enumeration_on_random_tables():
                  for a in range(0, n_a + 1) if 0 <= e_a + e_b - a <= n_b}
         expected = sum(p for p in probs.values() if p <= probs[e_a] * (1 + 1e-7))
         assert fisher_exact(e_a, n_a, e_b, n_b) == pytest.approx(min(1.0, expected))
+
+
+def test_two_reward_files_of_the_same_name_are_two_rewards(tmp_path):
+    from megatron_rl.rewards.user import load_user_fn
+
+    for folder, value in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "reward.py").write_text(f"def score(response, answer):\n    return {value}\n")
+    first = load_user_fn(f"{tmp_path}/a/reward.py:score")
+    second = load_user_fn(f"{tmp_path}/b/reward.py:score")
+    assert (first("x", "y"), second("x", "y")) == (1.0, 2.0)
+    assert load_user_fn(f"{tmp_path}/a/../a/reward.py:score") is first  # one file, one module
