@@ -17,7 +17,7 @@ from megatron_rl.algo.loss_spec import LossSpec
 from megatron_rl.algo.metrics import masked_metric, metric, reduce_metrics
 
 REWARD = st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, -1.0])
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=25, deadline=None)
 
 
 def _grpo_reference(rewards, g, norm, loo):
@@ -139,3 +139,55 @@ def test_loss_spec_bounds_at_the_boundary(low, high, ok):
     else:
         with pytest.raises(ValueError, match="clip_low"):
             LossSpec(clip_low=low, clip_high=high)
+
+
+def _weights_reference(d_rows, lengths, level, clip):
+    out = []
+    for d, n in zip(d_rows, lengths):
+        if level == "token":
+            w = [math.exp(x) for x in d[:n]]
+        else:
+            s = sum(d[:n]) / (n if level == "geo_mean" else 1)
+            w = [math.exp(s)] * n
+        out.append([min(x, clip) for x in w] + [1.0] * (len(d) - n))
+    return out
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geo_mean"])
+def test_importance_weights_by_level_over_rows_of_unequal_length(level):
+    from megatron_rl.algo.rollout_correction import importance_weights
+
+    d_rows = [[0.1, -0.2, 0.4, 0.3], [0.5, 0.2, 0.0, 0.0]]  # row 2 has 2 valid tokens of 4
+    lengths = [4, 2]
+    old = torch.tensor(d_rows, dtype=torch.float64)
+    valid = torch.tensor([[True] * 4, [True, True, False, False]])
+    w, m = importance_weights(old, torch.zeros_like(old), valid, tis_clip=1.5, level=level)
+    w = torch.where(valid, w, 1.0)
+    expected = _weights_reference(d_rows, lengths, level, 1.5)
+    assert w.flatten().tolist() == pytest.approx([x for row in expected for x in row], rel=1e-6)
+    raw = _weights_reference(d_rows, lengths, level, math.inf)
+    truncated = sum(x > 1.5 for row, n in zip(raw, lengths) for x in row[:n])
+    assert m["tis_clipfrac"].tolist() == [float(truncated), 6.0]  # over the 6 valid tokens
+
+
+def test_icepop_and_rejection_bounds_are_inclusive():
+    from megatron_rl.algo.rollout_correction import importance_weights, rejection_mask
+
+    old = torch.tensor([[0.0, math.log(4.0), -1.0]], dtype=torch.float64)
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    w, _ = importance_weights(old, torch.zeros_like(old), valid, mode="icepop", icepop_low=1.0, icepop_high=3.0)
+    assert w.tolist() == [[1.0, 0.0, 0.0]]  # w = 1 sits on the lower bound: kept
+    kept, m = rejection_mask(old, torch.zeros_like(old), valid, threshold=1.0, threshold_low=1.0)
+    assert kept.tolist() == [[True, False, False]]  # k1 = 0 = log(1) on both bounds
+    assert m["rollout_rs_masked_fraction"].tolist() == [2.0, 3.0]
+
+
+@FAST
+@given(st.lists(st.floats(-3, 3), min_size=1, max_size=6), st.sampled_from(["k1", "k2", "k3"]))
+def test_kl_estimators_match_schulmans_formulas(deltas, kl_type):
+    from megatron_rl.algo.kl import kl_estimate
+
+    ref = torch.tensor(deltas, dtype=torch.float64)
+    got = kl_estimate(torch.zeros_like(ref), ref, kl_type).tolist()
+    formula = {"k1": lambda d: -d, "k2": lambda d: d * d / 2, "k3": lambda d: math.exp(d) - 1 - d}[kl_type]
+    assert got == pytest.approx([formula(d) for d in deltas], abs=1e-9)
