@@ -106,3 +106,15 @@ def test_two_reward_files_of_the_same_name_are_two_rewards(tmp_path):
     second = load_user_fn(f"{tmp_path}/b/reward.py:score")
     assert (first("x", "y"), second("x", "y")) == (1.0, 2.0)
     assert load_user_fn(f"{tmp_path}/a/../a/reward.py:score") is first  # one file, one module
+
+
+def test_a_prompt_of_exactly_max_prompt_len_tokens_is_kept_and_one_more_is_dropped():
+    from megatron_rl.data import build_char_tokenizer
+    from megatron_rl.data.datasets import PromptDataset
+
+    tok = build_char_tokenizer()
+    limit = len(tok.encode("abcd"))
+    records = [{"prompt": "abcd", "answer": 1}, {"prompt": "abcde", "answer": 2}, {"prompt": "abc", "answer": "x"}]
+    ds = PromptDataset.from_records(records, tok, max_prompt_len=limit, apply_chat_template=False)
+    assert [(p.prompt_text, p.answer, p.index) for p in ds] == [("abcd", "1", 0), ("abc", "x", 1)]
+    assert ds.num_skipped == 1
