@@ -129,3 +129,13 @@ def test_a_bad_eval_file_names_its_own_key_not_the_training_datas(tmp_path):
     cfg = load_config(None, [f"data.path={good}", "eval.datasets=" + json.dumps(datasets)])
     with pytest.raises(ValueError, match=r"eval\.datasets\[1\]\.path"):
         check_inputs(cfg, load_tokenizer=False)
+
+
+def test_only_identity_keys_both_configs_hold_are_compared():
+    saved = {"model": {"hf_dir": "a"}, "data": {"path": "x.jsonl"}, "train": {"lr": 1.0}}
+    now = {"model": {"hf_dir": "a", "new_knob": 3}, "data": {"path": "x.jsonl", "task": "sort"},
+           "train": {"lr": 2.0}, "reward": {"name": "exact_match"}}
+    assert run_folder.differences(saved, now) == []  # keys an older config.yaml lacks; lr is not identity
+    now["model"]["hf_dir"] = "b"
+    now["data"]["path"] = "y.jsonl"
+    assert run_folder.differences(saved, now) == ['data.path: "x.jsonl" -> "y.jsonl"', 'model.hf_dir: "a" -> "b"']
