@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +34,8 @@ class Bug:
     new: str
     tests: tuple[str, ...]
     what: str
+    new_tests: tuple[str, ...] = ()
+    """Test files added by issue 42 that also cover this code (`--old-tests-only` leaves them out)."""
 
 
 BUGS = [
@@ -143,6 +145,19 @@ BUGS = [
         ("tests/e2e/test_stop_request.py",), "stop request decided by each rank, not rank 0's view"),
 ]
 
+V = {  # the value-test files by module
+    "algo": (U + "test_values_algo.py",), "loop": (U + "test_values_loop.py",),
+    "rd": (U + "test_values_rewards_data.py",), "dist": ("tests/dist/test_values_collective.py",),
+}
+NEW_TESTS = {
+    "b01": V["algo"], "b02": V["algo"], "b03": V["algo"], "b04": V["algo"], "b05": V["algo"], "b06": V["algo"],
+    "b07": V["algo"], "b08": V["loop"], "b09": V["loop"], "b10": V["loop"], "b11": V["loop"], "b12": V["loop"],
+    "b13": V["rd"], "b14": V["rd"], "b15": V["rd"], "b16": V["loop"], "b17": V["loop"], "b18": V["loop"],
+    "b19": V["rd"], "b20": V["rd"], "b21": V["algo"] + V["dist"], "b22": V["rd"], "b23": (),
+    "b24": V["algo"], "b25": V["loop"] + V["dist"], "b26": V["loop"], "b27": V["loop"], "b28": V["dist"],
+}
+BUGS = [replace(b, new_tests=NEW_TESTS.get(b.id, ())) for b in BUGS]
+
 AFTER: list[Bug] = [  # written after the tests of issue 42, not tailored to them
     Bug("a01", "after", "megatron_rl/rewards/runner.py",
         '_fail_head(worker, queue, stats, "num_timeouts", f"timed out',
@@ -185,7 +200,7 @@ def _git_clean(path: str) -> bool:
     return subprocess.run(["git", "diff", "--quiet", "--", path], cwd=ROOT).returncode == 0
 
 
-def run_bug(bug: Bug, timeout: int) -> dict:
+def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False) -> dict:
     path = ROOT / bug.file
     original = path.read_text()
     if original.count(bug.old) != 1:
@@ -195,7 +210,8 @@ def run_bug(bug: Bug, timeout: int) -> dict:
     try:
         path.write_text(original.replace(bug.old, bug.new))
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               f"--timeout={timeout}", *bug.tests], cwd=ROOT, env=env,
+                               f"--timeout={timeout}", *bug.tests,
+                               *(() if old_tests_only else bug.new_tests)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout * 3)
         failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
         status = "caught" if proc.returncode != 0 else "missed"
@@ -216,6 +232,7 @@ def main() -> None:
     p.add_argument("--list", action="store_true")
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--out", default="realistic_bugs.json")
+    p.add_argument("--old-tests-only", action="store_true", help="run only the test files that predate issue 42")
     a = p.parse_args()
     bugs = [b for b in BUGS if (not a.only or b.id in a.only) and (not a.round or b.round == a.round)]
     if a.list:
@@ -224,7 +241,7 @@ def main() -> None:
         return
     results = []
     for bug in bugs:
-        results.append(run_bug(bug, a.timeout))
+        results.append(run_bug(bug, a.timeout, a.old_tests_only))
         print(json.dumps(results[-1]), flush=True)
     caught = sum(r["status"] == "caught" for r in results)
     summary = {"caught": caught, "total": len(results), "rate": caught / max(len(results), 1), "bugs": results}
