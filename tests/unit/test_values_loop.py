@@ -139,3 +139,20 @@ def test_only_identity_keys_both_configs_hold_are_compared():
     now["model"]["hf_dir"] = "b"
     now["data"]["path"] = "y.jsonl"
     assert run_folder.differences(saved, now) == ['data.path: "x.jsonl" -> "y.jsonl"', 'model.hf_dir: "a" -> "b"']
+
+
+def test_a_nan_or_missing_score_never_becomes_the_best(tmp_path):
+    best = BestCheckpoint(tmp_path, "h/avg@4")
+    best.scored(2, {"eval/h/avg@4": float("nan")}, latest_step=2)
+    best.scored(3, {"eval/h/other": 1.0}, latest_step=3)
+    assert best.step is None and not (tmp_path / "best").exists()
+    best.scored(4, {"eval/h/avg@4": 0.1}, latest_step=4)
+    best.scored(6, {"eval/h/avg@4": float("inf")}, latest_step=6)
+    assert (tmp_path / "best").read_text() == "4"
+
+
+def test_the_prompt_the_reward_sees_is_the_policys_even_when_a_row_has_a_prompt_column():
+    from megatron_rl.loop.sampling import reward_extra
+
+    item = PromptItem([1], "<templated q>", "A", 0, {"prompt": "raw q", "level": 3})
+    assert reward_extra(item) == {"prompt": "<templated q>", "level": 3}

@@ -118,3 +118,15 @@ def test_a_prompt_of_exactly_max_prompt_len_tokens_is_kept_and_one_more_is_dropp
     ds = PromptDataset.from_records(records, tok, max_prompt_len=limit, apply_chat_template=False)
     assert [(p.prompt_text, p.answer, p.index) for p in ds] == [("abcd", "1", 0), ("abc", "x", 1)]
     assert ds.num_skipped == 1
+
+
+def test_bootstrap_resamples_each_arm_at_its_own_size():
+    from megatron_rl.telemetry.stats import bootstrap_diff_ci
+
+    # a = [1] is constant; b = [0, 1] resampled twice has mean 0, 0.5, 1 with p = 1/4, 1/2, 1/4, so
+    # the difference's median (level 0: both ends at the median) is 1 - 0.5. At size 1 it would be 0 or 1.
+    assert bootstrap_diff_ci([1.0], [0.0, 1.0], resamples=4001, level=0.0, seed=1) == (0.5, 0.5, 0.5)
+    # b = [0, 0, 0, 1] against a = [0]: the number of 1s in 4 draws is Binomial(4, 1/4), so a - b is
+    # -1, -0.75, -0.5 with cumulative probability 0.004, 0.051, 0.262: the 15th percentile is -0.5
+    # (with 1 draw: -1 with probability 0.25, so -1).
+    assert bootstrap_diff_ci([0.0], [0.0, 0.0, 0.0, 1.0], resamples=4001, level=0.7, seed=2) == (-0.25, -0.5, 0.0)
