@@ -210,8 +210,8 @@ def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False) -> dict:
     try:
         path.write_text(original.replace(bug.old, bug.new))
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               f"--timeout={timeout}", *bug.tests,
-                               *(() if old_tests_only else bug.new_tests)], cwd=ROOT, env=env,
+                               f"--timeout={timeout}", *(() if old_tests_only else bug.new_tests),
+                               *bug.tests], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout * 3)
         failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
         status = "caught" if proc.returncode != 0 else "missed"
