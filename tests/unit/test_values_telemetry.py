@@ -59,3 +59,17 @@ def test_surge_detector_matches_the_documented_rule_and_resumes_from_its_history
     half = len(trace) // 2
     resumed = SurgeDetector.from_history(health, history[:half])
     assert [resumed.update(r["step"], r) for r in history[half:]] == got[half:]
+
+
+def test_the_summary_takes_the_first_and_the_mean_of_the_last_five_logged_values(tmp_path):
+    from megatron_rl.telemetry.logger import MetricsLogger, read_jsonl
+
+    log = MetricsLogger(tmp_path, tensorboard=False, progress=False)
+    values = [1.0, 2.0, float("nan"), 4.0, 5.0, 6.0, 7.0, 8.0]  # the NaN step is logged as null, not averaged
+    for step, v in enumerate(values):
+        log.log(step, {"reward/mean": v, "entropy": 0.5})
+    log.close()
+    assert [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [*values[:2], None, *values[3:]]
+    row = next(line for line in log.summary().splitlines() if line.startswith("reward/mean"))
+    assert row.split()[1:] == ["1.0000", f"{(4 + 5 + 6 + 7 + 8) / 5:.4f}"]
+    assert "clip/low_neg" not in log.summary()  # never logged: no row
