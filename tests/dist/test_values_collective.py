@@ -52,11 +52,11 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     metrics = reduce_metrics([mine], reduce)
 
     run = SimpleNamespace(parallel=SimpleNamespace(dp_reducer=lambda: reduce, dp_group=None))
-    s = EvalSet(SimpleNamespace(name="h"), [], "r", None, None, ["avg@1"])
-    if rank == 0:  # one problem of 2 samples
-        rows = [{"rewards": [1.0, 1.0], "preds": [None] * 2, "lengths": [2, 2], "truncated": [True, False],
+    s = EvalSet(SimpleNamespace(name="h"), [], "r", None, None, ["avg@1", "maj@1"])
+    if rank == 0:  # one problem of 2 samples, with extracted answers
+        rows = [{"rewards": [1.0, 1.0], "preds": ["x", "x"], "lengths": [2, 2], "truncated": [True, False],
                  "garbled": None}]
-    else:  # two problems of 2 samples each
+    else:  # two problems of 2 samples each, no answer extracted
         rows = [{"rewards": [0.0, 0.0], "preds": [None] * 2, "lengths": [8, 8], "truncated": [False, False],
                  "garbled": None}] * 2
     evals = _reduce(run, s, rows, [rank, 0])
@@ -88,6 +88,7 @@ def test_eval_numbers_are_sums_over_the_ranks_problems_and_samples(results):
     for r in ranks:
         e = r["eval"]
         assert e["avg@1"] == pytest.approx(1 / 3)  # 3 problems: 1, 0, 0 (not the mean of 1 and 0)
+        assert e["maj@1"] == pytest.approx(1 / 3)  # on both ranks: rank 0's answers decide that it is logged
         assert e["response_length/mean"] == pytest.approx((2 + 2 + 8 * 4) / 6)
         assert e["response_length/max"] == 8.0
         assert e["truncated_rate"] == pytest.approx(1 / 6)
