@@ -6,8 +6,9 @@ run, and the source restored (always: try/finally, then `git diff` checked clean
     python tools/realistic_bugs.py --list
 
 A bug is caught when any of its mapped test files fails. Only those files run (a targeted subset), so
-a bug that only some other test would catch counts as missed. `round` says whether the bug was
-written before the tests of issue 42 ("before") or after them ("after").
+a bug that only some other test would catch counts as missed. `round` says when the bug was
+written: before the tests of issue 42 ("before"), after the first of them ("after"), or after all of
+them ("third").
 """
 
 from __future__ import annotations
@@ -195,6 +196,41 @@ AFTER: list[Bug] = [  # written after the tests of issue 42, not tailored to the
 ]
 BUGS += AFTER
 
+THIRD: list[Bug] = [  # a third round, written after every test of issue 42 was in (an out-of-sample check)
+    Bug("c01", "third", "megatron_rl/algo/advantages.py",
+        "return varied.repeat_interleave(group_size)", "return varied.repeat(group_size)",
+        (U + "test_algo_advantages.py", U + "test_values_algo.py"), "dynamic sampling's keep mask tiled, not per group"),
+    Bug("c02", "third", "megatron_rl/algo/metrics.py",
+        'out["ess"] = min(w_mean * w_mean / w_sq, 1.0)', 'out["ess"] = min(w_mean / w_sq, 1.0)',
+        (U + "test_algo_metrics.py", U + "test_values_algo.py"), "ess without the square of the mean weight"),
+    Bug("c03", "third", "megatron_rl/loop/refill.py",
+        "take[rank] = min(int(available), remaining)", "take[rank] = min(int(available), target)",
+        (U + "test_refill_plan.py", U + "test_values_loop.py"), "refill lets each rank take up to the target"),
+    Bug("c04", "third", "megatron_rl/rewards/runner.py",
+        "rest = [] if self.batched else list(worker.items)[1:]", "rest = [] if self.batched else list(worker.items)",
+        (U + "test_rewards_pool.py", U + "test_rewards_runner.py", U + "test_values_rewards_data.py"),
+        "a timed-out item is queued again with the rest of its chunk"),
+    Bug("c05", "third", "megatron_rl/loop/run_folder.py",
+        'or (log_dir / "checkpoints").is_dir()', 'or (log_dir / "checkpoints" / "latest").is_file()',
+        (U + "test_run_folder.py", U + "test_values_loop.py"), "a folder with checkpoints but no latest is not a run"),
+    Bug("c06", "third", "megatron_rl/data/loader.py",
+        'self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])\n', "",
+        (U + "test_data_loader.py", U + "test_values_rewards_data.py"), "a resumed loader keeps its own seed, not the checkpoint's"),
+    Bug("c07", "third", "megatron_rl/telemetry/health.py",
+        "self.first_surge = self.onset", "self.first_surge = step",
+        (U + "test_health.py", U + "test_values_telemetry.py"), "surge_step is the detection step, not the onset"),
+    Bug("c08", "third", "megatron_rl/algo/eval_metrics.py",
+        "if match is None or int(match.group(2)) < 1:", "if match is None or int(match.group(2)) < 0:",
+        (U + "test_eval_metrics.py", U + "test_values_algo.py"), "avg@0 / pass@0 accepted"),
+    Bug("c09", "third", "megatron_rl/loop/evaluate.py",
+        'if metric and metric != "time" and f"{head}/{metric}" in out:', 'if metric and f"{head}/{metric}" in out:',
+        (U + "test_eval_sampling.py", U + "test_values_loop.py"), "rollout_minus_bf16 of the eval time logged"),
+    Bug("c10", "third", "megatron_rl/algo/rollout_correction.py",
+        "log_w = log_w / valid.sum(dim=-1, keepdim=True).clamp(min=1)", "log_w = log_w / valid.shape[-1]",
+        (U + "test_algo_loss_modes.py", U + "test_values_algo.py"), "geo_mean weight over the padded length, not the valid tokens"),
+]
+BUGS += THIRD
+
 
 def _git_clean(path: str) -> bool:
     return subprocess.run(["git", "diff", "--quiet", "--", path], cwd=ROOT).returncode == 0
@@ -228,7 +264,7 @@ def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*")
-    p.add_argument("--round", choices=("before", "after"))
+    p.add_argument("--round", choices=("before", "after", "third"))
     p.add_argument("--list", action="store_true")
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--out", default="realistic_bugs.json")
