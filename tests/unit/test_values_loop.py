@@ -120,7 +120,7 @@ def test_the_stop_request_is_the_files_existence_not_the_variable(tmp_path, monk
     assert signals.stop_requested()
 
 
-def test_a_bad_eval_file_names_its_own_key_not_the_training_datas(tmp_path):
+def test_a_bad_eval_file_is_named_by_its_own_key_not_data_path(tmp_path):
     good = tmp_path / "train.jsonl"
     good.write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
     bad = tmp_path / "eval.jsonl"
