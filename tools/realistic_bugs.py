@@ -214,7 +214,7 @@ THIRD: list[Bug] = [  # a third round, written after every test of issue 42 was 
         'or (log_dir / "checkpoints").is_dir()', 'or (log_dir / "checkpoints" / "latest").is_file()',
         (U + "test_run_folder.py", U + "test_values_loop.py"), "a folder with checkpoints but no latest is not a run"),
     Bug("c06", "third", "megatron_rl/data/loader.py",
-        'self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])\n', "",
+        '        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])\n', "",
         (U + "test_data_loader.py", U + "test_values_rewards_data.py"), "a resumed loader keeps its own seed, not the checkpoint's"),
     Bug("c07", "third", "megatron_rl/telemetry/health.py",
         "self.first_surge = self.onset", "self.first_surge = step",
@@ -241,6 +241,10 @@ def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False) -> dict:
     original = path.read_text()
     if original.count(bug.old) != 1:
         return {"id": bug.id, "status": "stale", "what": bug.what}
+    try:  # a bug must still import: a syntax error would be "caught" by any test
+        compile(original.replace(bug.old, bug.new), bug.file, "exec")
+    except SyntaxError as err:
+        return {"id": bug.id, "status": "broken", "what": f"{bug.what}: {err}"}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     try:
