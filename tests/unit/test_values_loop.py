@@ -156,3 +156,14 @@ def test_the_prompt_the_reward_sees_is_the_policys_even_when_a_row_has_a_prompt_
 
     item = PromptItem([1], "<templated q>", "A", 0, {"prompt": "raw q", "level": 3})
     assert reward_extra(item) == {"prompt": "<templated q>", "level": 3}
+
+
+@pytest.mark.parametrize("made", ["config.yaml", "checkpoints", "checkpoints/step_000001.tmp", "metrics.jsonl"])
+def test_each_file_a_run_leaves_alone_makes_the_folder_a_run(tmp_path, made):
+    path = tmp_path / made
+    if made.endswith((".yaml", ".jsonl")):
+        path.write_text("step: 0\n")
+    else:
+        path.mkdir(parents=True)  # a checkpoints folder without `latest`: a first save killed midway
+    assert run_folder.holds_run(tmp_path)
+    assert not run_folder.holds_run(tmp_path / "other")
