@@ -167,3 +167,11 @@ def test_each_file_a_run_leaves_alone_makes_the_folder_a_run(tmp_path, made):
         path.mkdir(parents=True)  # a checkpoints folder without `latest`: a first save killed midway
     assert run_folder.holds_run(tmp_path)
     assert not run_folder.holds_run(tmp_path / "other")
+
+
+def test_rollout_minus_bf16_of_every_score_both_precisions_logged_and_never_of_the_time():
+    from megatron_rl.loop.evaluate import _differences
+
+    out = {"eval/h/avg@4": 0.75, "eval/h/bf16/avg@4": 0.5, "eval/h/time": 3.0, "eval/h/bf16/time": 1.0,
+           "eval/h/bf16/pass@4": 1.0, "eval/g/avg@4": 0.1}
+    assert _differences(out) == {"eval/h/rollout_minus_bf16/avg@4": 0.25}
