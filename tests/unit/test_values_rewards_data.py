@@ -130,3 +130,15 @@ def test_bootstrap_resamples_each_arm_at_its_own_size():
     # -1, -0.75, -0.5 with cumulative probability 0.004, 0.051, 0.262: the 15th percentile is -0.5
     # (with 1 draw: -1 with probability 0.25, so -1).
     assert bootstrap_diff_ci([0.0], [0.0, 0.0, 0.0, 1.0], resamples=4001, level=0.7, seed=2) == (-0.25, -0.5, 0.0)
+
+
+def test_a_resume_follows_the_checkpoints_seed_and_shuffle_not_the_new_loaders():
+    data = _dataset(10)
+    run = PromptLoader(data, batch_size=3, seed=7)
+    run.next_batch()
+    state = run.state_dict()
+    later = [run.next_batch() for _ in range(5)]  # crosses into epoch 1
+    for seed, shuffle in ((8, True), (7, False)):  # a relaunch with another train.seed / shuffle
+        resumed = PromptLoader(data, batch_size=3, seed=seed, shuffle=shuffle)
+        resumed.load_state_dict(state)
+        assert [resumed.next_batch() for _ in range(5)] == later
