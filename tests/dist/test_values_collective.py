@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.dist._launch import run_distributed
+from _launch import run_distributed
 
 
 def _stop_decisions(rank: int, tmp: str) -> list:
