@@ -31,7 +31,7 @@ def main() -> None:
     engine = SGLangEngine(cfg, model, seed=0, log_dir=out.parent)
     try:
         (sample,) = engine.generate([[1, 5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
-        argv = engine.servers[0].argv
+        argv = engine.servers[0].process.argv
         dist_port = int(argv[argv.index("--nccl-port") + 1])
         out.write_text(json.dumps({"tokens": sample.response_ids, "worker_env": env, "dist_port": dist_port}))
     finally:
