@@ -9,7 +9,7 @@ import real_sglang
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.sglang_client import SGLangClient, SGLangHTTPError, ServerUnavailable
 from sglang_testing import API_KEY, ROUTER_COMMAND, free_port_block, start_double
-from test_real_engine import PROMPTS, greedy, push
+from test_sglang_real_engine import PROMPTS, greedy, push
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def _server_log(tmp: Path) -> str:
 
 
 def test_a_server_launched_from_a_torchrun_worker_starts_and_serves(real_model, tmp_path):
-    from test_real_engine import greedy_from_folder
+    from test_sglang_real_engine import greedy_from_folder
 
     proc, _ = _torchrun(real_model, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:] + _server_log(tmp_path)
@@ -60,7 +60,7 @@ def test_a_dist_port_that_would_be_masters_port_is_moved_and_the_server_starts(r
     the launcher's first choice of SGLang's dist port is torchrun's MASTER_PORT, where the agent's
     store listens. The launcher moves it one offset further; the server, started without torchrun's
     environment, rendezvouses on its own port, starts and serves the checkpoint's greedy tokens."""
-    from test_real_engine import greedy_from_folder
+    from test_sglang_real_engine import greedy_from_folder
 
     proc, elapsed = _torchrun(real_model, tmp_path, "--collide")
     assert proc.returncode == 0, proc.stderr[-3000:] + _server_log(tmp_path)
