@@ -49,8 +49,8 @@ def _reference(model_dir, problems, max_new_tokens: int) -> list[str]:
     return out
 
 
-def test_eval_through_the_real_server_scores_the_planted_accuracy(real_engine, real_model, monkeypatch):
-    from megatron_rl.actor.parallel import destroy_parallel
+def test_eval_through_the_real_server_scores_the_planted_accuracy(real_engine, real_model, monkeypatch,
+                                                                  parallel_restored):
     from megatron_rl.loop.evaluate import evaluate_checkpoint
     from megatron_rl.telemetry.logger import read_jsonl
 
@@ -64,10 +64,7 @@ def test_eval_through_the_real_server_scores_the_planted_accuracy(real_engine, r
         "rollout.engine=sglang", "rollout.sglang.mode=disaggregated", "rollout.sglang.weight_transport=nccl",
         "rollout.sglang.server_urls=" + json.dumps([real_engine.servers[0].url]),
         f"rollout.sglang.nccl_master_port={free_port_block(1)}", "rollout.sglang.request_timeout_s=120")
-    try:
-        result = evaluate_checkpoint(cfg, output=str(root / "eval_out"))
-    finally:
-        destroy_parallel()
+    result = evaluate_checkpoint(cfg, output=str(root / "eval_out"))  # parallel_restored tears down after
     responses = _reference(real_model, problems, 8)
     (dump,) = (root / "eval_out" / "eval_samples").glob("step_*_heldout.jsonl")
     assert [row["responses"][0] for row in read_jsonl(dump)] == responses
