@@ -57,6 +57,20 @@ def tiny_arch_dir(request, tiny_hf_factory) -> tuple[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def char_model_dir(tiny_hf_factory, tmp_path_factory):
+    """A tiny Qwen2 over the character tokenizer's 46 ids, with that tokenizer saved beside it."""
+    import shutil
+
+    from megatron_rl.data import build_char_tokenizer
+
+    src = tiny_hf_factory("qwen2", vocab_size=46, initializer_range=0.3)
+    out = tmp_path_factory.mktemp("char_model")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    build_char_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def single_parallel():
     """ParallelInfo of a 1-process gloo group with Megatron parallel_state at TP=PP=1."""
     from megatron_rl.actor.parallel import destroy_parallel, init_parallel

@@ -2,13 +2,11 @@
 by hand (a generated token's logit / p when positive, x p when negative; prompt tokens untouched),
 the loop's mapping of the config, SGLang's request field, and its range checked at load."""
 
-import shutil
 
 import pytest
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.data import build_char_tokenizer
 from megatron_rl.rollout import SamplingParams, TorchRolloutEngine
 from megatron_rl.rollout.sglang_engine import row_sampling_params
 from sglang_protocol import sampling_param_names
@@ -19,12 +17,8 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_hf_factory, tmp_path_factory):
-    src = tiny_hf_factory("qwen2", vocab_size=46, initializer_range=0.3)
-    out = tmp_path_factory.mktemp("char_model")
-    shutil.copytree(src, out, dirs_exist_ok=True)
-    build_char_tokenizer().save_pretrained(out)
-    return TorchRolloutEngine(out)
+def engine(char_model_dir):
+    return TorchRolloutEngine(char_model_dir)
 
 
 def _reference_greedy(engine, prompt, penalty):

@@ -2,7 +2,6 @@
 slow reference forward, the loop's mapping of the config, and SGLang's request fields (checked
 against SGLang's SamplingParams and served by the server double)."""
 
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -21,13 +20,8 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 20, 21], [1, 30]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_hf_factory, tmp_path_factory):
-    """A tiny Qwen2 over the character tokenizer's 46 ids, with that tokenizer saved beside it."""
-    src = tiny_hf_factory("qwen2", vocab_size=46, initializer_range=0.3)
-    out = tmp_path_factory.mktemp("char_model")
-    shutil.copytree(src, out, dirs_exist_ok=True)
-    build_char_tokenizer().save_pretrained(out)
-    return out
+def model_dir(char_model_dir):
+    return char_model_dir
 
 
 @pytest.fixture(scope="module")
