@@ -40,11 +40,11 @@ TINY = ["model.tiny_hidden_size=64", "model.tiny_ffn_hidden_size=128", "model.ti
         "train.sft_steps=20", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
         "rollout.max_new_tokens=8", "train.micro_batch_size=4", "reward.name=position_match", "eval.datasets=[]",
         "checkpoint.keep_best=", "log.tensorboard=false", "log.plot=false", "log.progress=false"]
-# The declared measurement on SmolLM2-135M-Instruct: 4 batches of 16 prompts x 8 answers (512
-# sequences) of word_math at temperature 1, answers up to 256 tokens. The base config comes from
-# the real-model recipe; these keys are the measurement's own.
-REAL = ["data.task=word_math", "data.prompts_per_step=16", "rollout.n_samples_per_prompt=8",
-        "rollout.max_new_tokens=256", "rollout.temperature=1.0", "train.micro_batch_size=8"]
+# The declared measurement on SmolLM2-135M-Instruct (docs/reproduction.md): 3 batches of 4 prompts x 8
+# answers of word_math at temperature 0.6, answers up to 96 tokens. The base config is the real-model
+# recipe; these keys are the measurement's own.
+REAL = ["data.task=word_math", "data.prompts_per_step=4", "rollout.n_samples_per_prompt=8",
+        "rollout.max_new_tokens=96", "rollout.temperature=0.6", "train.micro_batch_size=8"]
 FIXED = ["precision.rollout_quant=bf16", "train.num_mini_batches=1", "train.ppo_epochs=1",
          "calib.enabled=false", "calib.diagnose=false", "calib.smoothing=1.0", "train.colocated_protocol=false",
          "checkpoint.save_final=false", "algo.kl_loss_coef=0.0"]
@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-dir", default="", help="real: the converted HF folder (default: the cached one)")
     parser.add_argument("--config", default="", help="base YAML (default: the model's recipe)")
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=["bf16", *RECIPES])
-    parser.add_argument("--batches", type=int, default=4, help="batches (>= 2 for the out-of-sample bounds)")
-    parser.add_argument("--steps", type=int, default=4, help="k: optimizer steps per batch")
+    parser.add_argument("--batches", type=int, default=3, help="batches (>= 2 for the out-of-sample bounds)")
+    parser.add_argument("--steps", type=int, default=2, help="k: optimizer steps per batch")
     parser.add_argument("--out", required=True)
     parser.add_argument("overrides", nargs="*", help="extra section.key=value")
     args = parser.parse_args(argv)
