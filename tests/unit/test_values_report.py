@@ -194,3 +194,15 @@ def test_the_bootstrap_interval_is_the_quantiles_of_the_resampled_difference():
     assert bootstrap_diff_ci([0.0, 1.0], [0.25], resamples=4000, level=0.4, seed=3) == (0.25, 0.25, 0.25)
     # b's arm is resampled on its own: b = [0, 1] against constant a widens the interval the other way
     assert bootstrap_diff_ci([0.5], [0.0, 1.0], resamples=4000, level=0.95, seed=3) == (0.0, -0.5, 0.5)
+
+
+def test_the_bootstrap_ends_are_the_binomial_quantiles_of_a_resampled_zero_one_arm():
+    from scipy.stats import binom
+
+    from megatron_rl.telemetry.stats import bootstrap_diff_ci
+
+    # a holds 10 zeros and 10 ones: a resample's mean is Binomial(20, 1/2) / 20. The 2.5% and 97.5%
+    # quantiles (6 and 14) sit 4 standard errors of 20000 resamples away from the next atom.
+    n = 20
+    _, low, high = bootstrap_diff_ci([0.0, 1.0] * (n // 2), [0.0], resamples=20_000, level=0.95, seed=1)
+    assert (low, high) == (binom.ppf(0.025, n, 0.5) / n, binom.ppf(0.975, n, 0.5) / n) == (0.3, 0.7)
