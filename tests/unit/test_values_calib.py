@@ -344,3 +344,58 @@ def test_a_checkpoint_without_next_due_resumes_on_the_grid_after_its_calibration
     assert [ctrl.should_calibrate(s) for s in (11, 12)] == [False, True]
     with pytest.raises(ValueError, match="outside"):  # low above high is refused
         ctrl.load_state_dict({"low": 1.3, "high": 1.2, "num_calibrations": 1, "num_skipped": 0})
+
+
+# ---- the quantile interval and the sequence entries -----------------------------------------------
+
+
+@FAST
+@given(st.lists(st.sampled_from([0.0, 0.0, 1.0, 2.0, 0.5]), min_size=2, max_size=8), st.data())
+def test_the_solution_interval_is_where_the_cumulative_lies_between_the_targets(counts, data):
+    """Brute force over a grid of 1/64 bin: every x in [a, b] has low <= C(x) <= high, every grid x
+    outside has not; flat stretches (empty bins) belong to the interval."""
+    from megatron_rl.algo.ratio_histogram import cumulative_below, solution_interval
+
+    hist = torch.tensor(counts, dtype=torch.float64)
+    total = float(hist.sum())
+    low_t = data.draw(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, total, total + 0.5]))
+    high_t = max(low_t, 0.0) + data.draw(st.sampled_from([0.0, 0.25, 1.0]))  # the solves' upper targets are >= 0
+    got = solution_interval(hist, low_t, high_t, -1.0, 0.5)
+    grid = [-1.0 + i * 0.5 / 64 for i in range(64 * len(counts) + 1)]
+    inside = [x for x in grid if low_t - 1e-9 <= cumulative_below(hist, x, -1.0, 0.5) <= high_t + 1e-9]
+    if low_t > total:
+        assert got is None
+        return
+    a, b = got
+    for x in grid:
+        assert (a - 1e-9 <= x <= b + 1e-9) == (x in inside) or min(abs(x - a), abs(x - b)) < 1e-9, (x, a, b)
+    assert (a == -math.inf) == (low_t <= 0) and (b == math.inf) == (high_t >= total)
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([-1.0, 0.5, 2.0])), min_size=1, max_size=5),
+       st.sampled_from([None, 1.05]))
+def test_sequence_entries_are_the_geometric_mean_ratio_mean_advantage_and_summed_weight(rows, dual_clip):
+    """add_sequences against add() of one entry per sequence built by hand: s_i = exp(mean_t log r_t)
+    under FP8 and BF16, A_i the mean advantage, w_i the sum of the weights, rows without tokens out."""
+    T = 4
+    g = torch.Generator().manual_seed(len(rows))
+    log8 = torch.randn(len(rows), T, generator=g, dtype=torch.float64) * 0.2
+    log16 = torch.randn(len(rows), T, generator=g, dtype=torch.float64) * 0.2
+    mask = torch.tensor([[t < n for t in range(T)] for n, _ in rows])
+    adv = torch.tensor([[a] * T for _, a in rows], dtype=torch.float64) + torch.rand(len(rows), T, generator=g) * 0.1
+    w = torch.rand(len(rows), T, generator=g, dtype=torch.float64)
+    hist = RatioHistogram(EPS_LOW, EPS_HIGH, BINS, RANGE)
+    hist.add_sequences(log8, log16, adv, mask, weights=w, dual_clip=dual_clip)
+    entries = []
+    for i, (n, _) in enumerate(rows):
+        if n == 0:
+            continue
+        mean = lambda t: sum(t[i, :n].tolist()) / n  # noqa: E731
+        entries.append((math.exp(mean(log8)), math.exp(mean(log16)), mean(adv), sum(w[i, :n].tolist())))
+    ref = RatioHistogram(EPS_LOW, EPS_HIGH, BINS, RANGE)
+    if entries:
+        r8, r16, a, ww = (torch.tensor([list(c)], dtype=torch.float64) for c in zip(*entries))
+        ref.add(r8, r16, a, torch.ones_like(a), weights=ww, dual_clip=dual_clip)
+    assert torch.allclose(hist.payload, ref.payload, rtol=1e-12, atol=1e-12)
+    assert hist.scalar("tokens") == len(entries)
