@@ -352,8 +352,9 @@ def test_a_checkpoint_without_next_due_resumes_on_the_grid_after_its_calibration
 @FAST
 @given(st.lists(st.sampled_from([0.0, 0.0, 1.0, 2.0, 0.5]), min_size=2, max_size=8), st.data())
 def test_the_solution_interval_is_where_the_cumulative_lies_between_the_targets(counts, data):
-    """Brute force over a grid of 1/64 bin: every x in [a, b] has low <= C(x) <= high, every grid x
-    outside has not; flat stretches (empty bins) belong to the interval."""
+    """Brute force over a grid of 1/64 bin reaching past both ends: every x in [a, b] has
+    low <= C(x) <= high, every grid x outside has not; flat stretches (empty bins) belong to the
+    interval; C is 0 below the range and the total above it."""
     from megatron_rl.algo.ratio_histogram import cumulative_below, solution_interval
 
     hist = torch.tensor(counts, dtype=torch.float64)
@@ -361,7 +362,7 @@ def test_the_solution_interval_is_where_the_cumulative_lies_between_the_targets(
     low_t = data.draw(st.sampled_from([-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, total, total + 0.5]))
     high_t = max(low_t, 0.0) + data.draw(st.sampled_from([0.0, 0.25, 1.0]))  # the solves' upper targets are >= 0
     got = solution_interval(hist, low_t, high_t, -1.0, 0.5)
-    grid = [-1.0 + i * 0.5 / 64 for i in range(64 * len(counts) + 1)]
+    grid = [-2.0 + i * 0.5 / 64 for i in range(64 * (len(counts) + 4) + 1)]  # two bins beyond each end
     inside = [x for x in grid if low_t - 1e-9 <= cumulative_below(hist, x, -1.0, 0.5) <= high_t + 1e-9]
     if low_t > total:
         assert got is None
