@@ -206,3 +206,21 @@ def test_the_bootstrap_ends_are_the_binomial_quantiles_of_a_resampled_zero_one_a
     n = 20
     _, low, high = bootstrap_diff_ci([0.0, 1.0] * (n // 2), [0.0], resamples=20_000, level=0.95, seed=1)
     assert (low, high) == (binom.ppf(0.025, n, 0.5) / n, binom.ppf(0.975, n, 0.5) / n) == (0.3, 0.7)
+
+
+def test_a_resumed_tensorboard_log_holds_each_step_once_with_the_resumed_runs_values(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(tmp_path, tensorboard=True, progress=False)
+    for step in range(6):
+        log.log(step, {"entropy": float(step)})
+    log.close()
+    log = MetricsLogger(tmp_path, tensorboard=True, progress=False, start_step=4)
+    for step in (4, 5):
+        log.log(step, {"entropy": 10.0 * step, "reward/mean": math.nan})  # NaN: not a TensorBoard point
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("entropy")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0),
+                                                                     (5, 50.0)]
+    assert "reward/mean" not in acc.Tags()["scalars"]
