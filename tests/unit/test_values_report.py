@@ -60,13 +60,18 @@ def _number(value):
 
 def test_every_summary_column_is_its_reduction_of_the_run():
     runs = {"a": _run(0), "b": _run(1, steps=14, every=2)}
+    for s, r in enumerate(runs["a"]):  # held-out scores on some steps of run a only: columns after the reward's
+        r["eval/h/avg@4"] = 0.1 * s if s % 3 == 0 else None
+        r["eval/h/pass@4"] = 1.0
+    columns = [*TABLE[:2], ("h avg@4 first", "eval/h/avg@4", "first"), ("h avg@4 last", "eval/h/avg@4", "last"),
+               *TABLE[2:]]
     lines = summary_table(runs).splitlines()
     head = _cells(lines[0])
-    assert head[1:1 + len(TABLE)] == [t for t, _, _ in TABLE]  # no eval keys in these runs
+    assert head[1:1 + len(columns)] == [t for t, _, _ in columns]
     for line, (name, records) in zip(lines[2:], runs.items()):
         cells = _cells(line)
         assert cells[0] == name
-        for (title, key, how), cell in zip(TABLE, cells[1:]):
+        for (title, key, how), cell in zip(columns, cells[1:]):
             values = [r[key] for r in records if r.get(key) is not None]
             assert cell == _number(_reduce(values, how)), (name, title)
 
