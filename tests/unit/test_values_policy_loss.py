@@ -59,125 +59,140 @@ def _tis_weights(old, rollout, response, s):
     return w, changed
 
 
+CELLS = [(b, t) for b in range(B) for t in range(T)]
+
+
+def _kept(response, old, rollout, s, m):
+    """The tokens the loss aggregates: the response less what token_k1 rejection drops."""
+    if not s.rollout_rs:
+        return response
+    low = 1.0 / s.rollout_rs_threshold if s.rollout_rs_threshold_low is None else s.rollout_rs_threshold_low
+    kept = [[response[b][t] and math.log(low) <= _clamp(rollout[b][t] - old[b][t]) <= math.log(s.rollout_rs_threshold)
+             for t in range(T)] for b in range(B)]
+    m["rollout_rs_masked_fraction"] = _mean([(float(not kept[b][t]), response[b][t]) for b, t in CELLS])
+    return kept
+
+
+def _token_term(s, a, lp, log_r, seq):
+    """(per-token surrogate, the ratio the clip saw, (low, high, dual) clip flags) of one token."""
+    if s.loss_mode == "gspo":
+        x = torch.exp(seq.clamp(-CLAMP, CLAMP))
+    elif s.loss_mode == "gspo_token":
+        x = torch.exp(seq.detach().clamp(-CLAMP, CLAMP)) * torch.exp(lp - lp.detach())
+    else:
+        x = torch.exp(log_r.clamp(-CLAMP, CLAMP))
+    r, flags = float(x), [False, False, False]
+    if s.loss_mode == "cispo":
+        return -min(max(r, s.clip_low), s.clip_high) * a * lp, r, flags
+    if s.loss_mode == "reinforce":
+        return -a * lp, r, flags
+    if s.loss_mode == "dro":
+        return -(a * lp - 0.5 * s.dro_beta * log_r ** 2), r, flags
+    f = x  # the clipped modes: a clipped branch is a constant (zero gradient)
+    if a < 0 and r < s.clip_low:
+        f, flags[0] = s.clip_low, True
+    elif a > 0 and r > s.clip_high:
+        f, flags[1] = s.clip_high, True
+    if s.eps_clip_c is not None and a < 0 and float(f) > s.eps_clip_c:
+        f, flags[2] = s.eps_clip_c, True
+    return -a * f, r, flags
+
+
+def _penalties(lp_t, valid, ref, ent, s, m):
+    pen = {k: 0.0 for k in CELLS}
+    if ref is not None:
+        kl = {}
+        for b, t in CELLS:
+            d = ref[b][t] - lp_t[b][t]
+            dc = d.clamp(-CLAMP, CLAMP)
+            kl[b, t] = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(dc) - 1 - dc}[s.kl_loss_type]
+            pen[b, t] = pen[b, t] + s.kl_loss_coef * kl[b, t]
+        m["kl_loss"] = _mean([(float(kl[k]), valid[k[0]][k[1]]) for k in CELLS])
+    if ent is not None:
+        for b, t in CELLS:
+            pen[b, t] = pen[b, t] - s.entropy_coef * ent[b][t]
+        m["entropy"] = _mean([(ent[b][t], valid[b][t]) for b, t in CELLS])
+    return pen
+
+
+def _aggregate(per_token, valid, mode):
+    """(numerator, count): token-mean over tokens; seq-mean-* over sequences holding a kept token."""
+    rows = [[per_token[b, t] for t in range(T) if valid[b][t]] for b in range(B)]
+    if mode == "token-mean":
+        return sum(sum(r) for r in rows), sum(len(r) for r in rows)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows if r), sum(1 for r in rows if r)
+    return sum(sum(r) for r in rows), sum(1 for r in rows if r)
+
+
+def _ratio_metrics(valid, adv, lr, ratio, flags, seq, s, m):
+    sel = [valid[b][t] for b, t in CELLS]
+    neg = [valid[b][t] and adv[b][t] < 0 for b, t in CELLS]
+    pos = [valid[b][t] and adv[b][t] > 0 for b, t in CELLS]
+    m["ppo_kl"] = _mean([(-x, v) for x, v in zip(lr, sel)])
+    _moments("log_ratio", list(zip(lr, sel)), m)
+    m["clip/low_neg"] = _mean([(float(f[0]), n) for f, n in zip(flags, neg)])
+    m["clip/high_pos"] = _mean([(float(f[1]), p) for f, p in zip(flags, pos)])
+    m["clip/low_pos"] = _mean([(float(r < s.clip_low), p) for r, p in zip(ratio, pos)])
+    m["clip/high_neg"] = _mean([(float(r > s.clip_high), n) for r, n in zip(ratio, neg)])
+    m["pg_clipfrac"] = _mean([(float(any(f)), v) for f, v in zip(flags, sel)])
+    if s.eps_clip_c is not None:
+        m["clip/dual"] = _mean([(float(f[2]), n) for f, n in zip(flags, neg)])
+    if s.loss_mode in ("gspo", "gspo_token"):
+        _moments("seq_log_ratio", [(float(seq[b]), any(valid[b])) for b in range(B)], m)
+    if s.loss_mode == "cispo":
+        m["cispo_clipfrac"] = _mean([(float(not s.clip_low <= r <= s.clip_high), v) for r, v in zip(ratio, sel)])
+
+
+def _mismatch_metrics(old, rollout, response, m):
+    """Over the response (rejection cannot hide mismatch); d = log pi_old - log pi_rollout."""
+    d = [old[b][t] - rollout[b][t] for b, t in CELLS]
+    sel = [response[b][t] for b, t in CELLS]
+    m["mismatch/abs_logprob_diff"] = _mean([(abs(x), v) for x, v in zip(d, sel)])
+    m["mismatch/token_mult_prob_error"] = _mean([(math.exp(abs(_clamp(x))), v) for x, v in zip(d, sel)])
+    m["mismatch/k3_kl"] = _mean([(math.exp(_clamp(x)) - 1 - _clamp(x), v) for x, v in zip(d, sel)])
+    _moments("is_weight", [(math.exp(_clamp(x)), v) for x, v in zip(d, sel)], m)
+    m["ess"] = min(m["is_weight/mean"] ** 2 / m["is_weight/mean_sq"], 1.0)
+
+
 def _reference(lp, old_in, adv, mask, rollout, ref, ent, ratio_ref, s):
     """(loss, d loss / d lp as [B][T] floats, metrics) from the docstrings, token by token."""
     lp_t = [[torch.tensor(lp[b][t], dtype=torch.float64, requires_grad=True) for t in range(T)] for b in range(B)]
-    old = [[lp[b][t] for t in range(T)] for b in range(B)] if s.force_on_policy_ratio else old_in
+    old = lp if s.force_on_policy_ratio else old_in
     response = [[bool(mask[b][t]) for t in range(T)] for b in range(B)]
-    m: dict[str, float] = {}
-    if s.rollout_rs:
-        low = 1.0 / s.rollout_rs_threshold if s.rollout_rs_threshold_low is None else s.rollout_rs_threshold_low
-        valid = [[response[b][t] and math.log(low) <= _clamp(rollout[b][t] - old[b][t]) <= math.log(s.rollout_rs_threshold)
-                  for t in range(T)] for b in range(B)]
-        m["rollout_rs_masked_fraction"] = _mean([(float(not valid[b][t]), response[b][t])
-                                                 for b in range(B) for t in range(T)])
-    else:
-        valid = response
-    cells = [(b, t) for b in range(B) for t in range(T)]
-    log_r = {(b, t): lp_t[b][t] - old[b][t] for b, t in cells}
-    n_valid = [sum(valid[b]) for b in range(B)]
-    seq = [sum((log_r[b, t] for t in range(T) if valid[b][t]), torch.tensor(0.0, dtype=torch.float64)) / max(n_valid[b], 1)
-           for b in range(B)]
-    sequence_mode = s.loss_mode in ("gspo", "gspo_token")
-    pg, clip_ratio, low_c, high_c, dual_c = {}, {}, {}, {}, {}
-    for b, t in cells:
-        a = adv[b][t]
-        if s.loss_mode == "gspo":
-            x = torch.exp(seq[b].clamp(-CLAMP, CLAMP))
-        elif s.loss_mode == "gspo_token":
-            x = torch.exp(seq[b].detach().clamp(-CLAMP, CLAMP)) * torch.exp(lp_t[b][t] - lp_t[b][t].detach())
-        else:
-            x = torch.exp(log_r[b, t].clamp(-CLAMP, CLAMP))
-        r = float(x)
-        clip_ratio[b, t] = r
-        low_c[b, t] = high_c[b, t] = dual_c[b, t] = False
-        if s.loss_mode in ("vanilla", "gspo", "gspo_token"):
-            f = x
-            if a < 0 and r < s.clip_low:
-                f, low_c[b, t] = s.clip_low, True
-            elif a > 0 and r > s.clip_high:
-                f, high_c[b, t] = s.clip_high, True
-            if s.eps_clip_c is not None and a < 0 and float(f) > s.eps_clip_c:
-                f, dual_c[b, t] = s.eps_clip_c, True
-            pg[b, t] = -a * f
-        elif s.loss_mode == "cispo":
-            pg[b, t] = -min(max(r, s.clip_low), s.clip_high) * a * lp_t[b][t]
-        elif s.loss_mode == "reinforce":
-            pg[b, t] = -a * lp_t[b][t]
-        else:  # dro
-            pg[b, t] = -(a * lp_t[b][t] - 0.5 * s.dro_beta * log_r[b, t] ** 2)
+    m: dict[str, float] = {"nonfinite_logprobs": 0.0}
+    valid = _kept(response, old, rollout, s, m)
+    log_r = {(b, t): lp_t[b][t] - old[b][t] for b, t in CELLS}
+    zero = torch.tensor(0.0, dtype=torch.float64)
+    seq = [sum((log_r[b, t] for t in range(T) if valid[b][t]), zero) / max(sum(valid[b]), 1) for b in range(B)]
+    terms = {(b, t): _token_term(s, adv[b][t], lp_t[b][t], log_r[b, t], seq[b]) for b, t in CELLS}
+    pg = {k: v[0] for k, v in terms.items()}
     if s.use_tis:
         w, changed = _tis_weights(old, rollout, response, s)
-        m["tis_clipfrac"] = _mean([(float(changed[b][t]), response[b][t]) for b, t in cells])
-        pg = {k: v * w[k[0]][k[1]] for k, v in pg.items()}
-    pen = {k: 0.0 for k in cells}
-    if ref is not None:
-        kl = {}
-        for b, t in cells:
-            d = ref[b][t] - lp_t[b][t]
-            kl[b, t] = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d.clamp(-CLAMP, CLAMP)) - 1 - d.clamp(-CLAMP, CLAMP)}[
-                s.kl_loss_type]
-            pen[b, t] = pen[b, t] + s.kl_loss_coef * kl[b, t]
-        m["kl_loss"] = _mean([(float(kl[k]), valid[k[0]][k[1]]) for k in cells])
-    if ent is not None:
-        for k in cells:
-            pen[k] = pen[k] - s.entropy_coef * ent[k[0]][k[1]]
-        m["entropy"] = _mean([(ent[b][t], valid[b][t]) for b, t in cells])
-
-    def aggregate(per_token):
-        rows = [[per_token[b, t] for t in range(T) if valid[b][t]] for b in range(B)]
-        if s.loss_agg_mode == "token-mean":
-            return sum(sum(r) for r in rows), sum(n_valid)
-        if s.loss_agg_mode == "seq-mean-token-mean":
-            return sum(sum(r) / len(r) for r in rows if r), sum(1 for r in rows if r)
-        return sum(sum(r) for r in rows), sum(1 for r in rows if r)
-
-    total, count = aggregate({k: pg[k] + pen[k] for k in cells})
-    total = total if isinstance(total, torch.Tensor) else torch.tensor(float(total), dtype=torch.float64)
-    denominator = max(count, 1)
-    loss = total / denominator
+        m["tis_clipfrac"] = _mean([(float(changed[b][t]), response[b][t]) for b, t in CELLS])
+        pg = {(b, t): v * w[b][t] for (b, t), v in pg.items()}
+    pen = _penalties(lp_t, valid, ref, ent, s, m)
+    total, count = _aggregate({k: pg[k] + pen[k] for k in CELLS}, valid, s.loss_agg_mode)
+    loss = torch.as_tensor(total, dtype=torch.float64) / max(count, 1)
     grad = [[0.0] * T for _ in range(B)]
     if loss.requires_grad:  # (rejection may keep no token)
         grads = torch.autograd.grad(loss, [x for row in lp_t for x in row], allow_unused=True)
         grad = [[0.0 if g is None else float(g) for g in grads[b * T:(b + 1) * T]] for b in range(B)]
     m["loss"] = float(total) / count if count else math.nan
-    pg_total, _ = aggregate(pg)
-    m["pg_loss"] = float(pg_total) / count if count else math.nan
-    # the ratio metrics: over the kept tokens, of the token log-ratio and of the ratio the clip saw
-    sel = [valid[b][t] for b, t in cells]
-    lr = [float(log_r[k]) for k in cells]
-    m["ppo_kl"] = _mean([(-x, v) for x, v in zip(lr, sel)])
-    _moments("log_ratio", list(zip(lr, sel)), m)
-    neg = [valid[b][t] and adv[b][t] < 0 for b, t in cells]
-    pos = [valid[b][t] and adv[b][t] > 0 for b, t in cells]
-    ratio = [clip_ratio[k] for k in cells]
-    m["clip/low_neg"] = _mean([(float(low_c[k]), n) for k, n in zip(cells, neg)])
-    m["clip/high_pos"] = _mean([(float(high_c[k]), p) for k, p in zip(cells, pos)])
-    m["clip/low_pos"] = _mean([(float(r < s.clip_low), p) for r, p in zip(ratio, pos)])
-    m["clip/high_neg"] = _mean([(float(r > s.clip_high), n) for r, n in zip(ratio, neg)])
-    m["pg_clipfrac"] = _mean([(float(low_c[k] or high_c[k] or dual_c[k]), v) for k, v in zip(cells, sel)])
-    if s.eps_clip_c is not None:
-        m["clip/dual"] = _mean([(float(dual_c[k]), n) for k, n in zip(cells, neg)])
-    m["nonfinite_logprobs"] = 0.0
-    if sequence_mode:
-        _moments("seq_log_ratio", [(float(seq[b]), n_valid[b] > 0) for b in range(B)], m)
-    if s.loss_mode == "cispo":
-        m["cispo_clipfrac"] = _mean([(float(not s.clip_low <= r <= s.clip_high), v) for r, v in zip(ratio, sel)])
+    m["pg_loss"] = float(_aggregate(pg, valid, s.loss_agg_mode)[0]) / count if count else math.nan
+    _ratio_metrics(valid, adv, [float(log_r[k]) for k in CELLS], [terms[k][1] for k in CELLS],
+                   [terms[k][2] for k in CELLS], seq, s, m)
     if rollout is not None:
-        d = [old[b][t] - rollout[b][t] for b, t in cells]
-        rsel = [response[b][t] for b, t in cells]
-        m["mismatch/abs_logprob_diff"] = _mean([(abs(x), v) for x, v in zip(d, rsel)])
-        m["mismatch/token_mult_prob_error"] = _mean([(math.exp(abs(_clamp(x))), v) for x, v in zip(d, rsel)])
-        m["mismatch/k3_kl"] = _mean([(math.exp(_clamp(x)) - 1 - _clamp(x), v) for x, v in zip(d, rsel)])
-        _moments("is_weight", [(math.exp(_clamp(x)), v) for x, v in zip(d, rsel)], m)
-        m["ess"] = min(m["is_weight/mean"] ** 2 / m["is_weight/mean_sq"], 1.0) if rsel and any(rsel) else math.nan
+        _mismatch_metrics(old, rollout, response, m)
     if ratio_ref is not None:
-        _reference_clip_metrics(ratio_ref, valid, adv, low_c, high_c, clip_ratio, s, m)
+        flags = {k: terms[k][2] for k in CELLS}
+        _reference_clip_metrics(ratio_ref, valid, adv, {k: f[0] for k, f in flags.items()},
+                                {k: f[1] for k, f in flags.items()}, s, m)
     return float(loss), grad, m
 
 
-def _reference_clip_metrics(ratio_ref, valid, adv, low_c, high_c, clip_ratio, s, m):
-    cells = [(b, t) for b in range(B) for t in range(T)]
+def _reference_clip_metrics(ratio_ref, valid, adv, low_c, high_c, s, m):
+    cells = CELLS
     rref = {k: ratio_ref[k[0]][k[1]] for k in cells}
     if s.loss_mode in ("gspo", "gspo_token"):  # the sequence ratio of the reference, like the clip's
         for b in range(B):
