@@ -106,8 +106,8 @@ def test_every_payload_entry_matches_a_token_by_token_reference(tokens, dual_cli
 
 
 def test_bin_edges_belong_to_the_bin_above_and_the_range_ends_are_not_out_of_range():
-    r = torch.tensor([[math.exp(-2.0), 1.0, math.exp(1.0), math.exp(2.0), math.exp(-2.0) * 0.999, math.exp(2.0) * 1.001]],
-                     dtype=torch.float64)
+    ends = [math.exp(-2.0), 1.0, math.exp(1.0), math.exp(2.0), math.exp(-2.0) * 0.999, math.exp(2.0) * 1.001]
+    r = torch.tensor([ends], dtype=torch.float64)
     adv = torch.tensor([[-1.0, -1.0, -1.0, 1.0, -1.0, 1.0]], dtype=torch.float64)
     hist = RatioHistogram(EPS_LOW, EPS_HIGH, BINS, RANGE)
     hist.add(r, r, adv, torch.ones_like(adv))
@@ -326,7 +326,8 @@ def test_every_calib_knob_reaches_the_controller(loss_mode, eps):
     ctrl = controller_from_config(calib, algo)
     assert ctrl.rules == Rules(0.55, 1.9, 0.003, 2.5, "count")
     assert (ctrl.eps_low, ctrl.eps_high) == eps  # CISPO's weight bounds are never calibrated
-    assert (ctrl.period, ctrl.smoothing, ctrl.num_bins, ctrl.mode, ctrl.log_ratio_range) == (7, 0.4, 96, "lower_only", 2.5)
+    knobs = (ctrl.period, ctrl.smoothing, ctrl.num_bins, ctrl.mode, ctrl.log_ratio_range)
+    assert knobs == (7, 0.4, 96, "lower_only", 2.5)
     assert ctrl.bounds == (0.7, 1.0 + eps[1])  # lower_only: H held at 1 + eps_high, not init_high
     hist = ctrl.new_histogram()
     assert (hist.num_bins, hist.log_ratio_range, hist.eps_low, hist.eps_high) == (96, 2.5, *eps)

@@ -165,7 +165,8 @@ def test_sample_records_are_the_first_limit_samples_with_their_own_components(tm
                           {"format": [1.0, 0.0, 1.0], "acc": [0.0, 0.5, 1.0]}, limit)
     assert len(recs) == min(limit, n)
     for i, r in enumerate(recs):
-        assert r == {"index": i, "prompt": f"p{i}", "response": f"r{i}", "answer": f"a{i}", "reward": [0.1, 0.2, 0.3][i],
+        assert r == {"index": i, "prompt": f"p{i}", "response": f"r{i}", "answer": f"a{i}",
+                     "reward": [0.1, 0.2, 0.3][i],
                      "reward/acc": [0.0, 0.5, 1.0][i], "reward/format": [1.0, 0.0, 1.0][i],
                      "advantage": [1.0, -1.0, 0.5][i], "response_length": [5, 6, 7][i],
                      "finish_reason": ["stop", "length", "stop"][i]}
