@@ -401,3 +401,28 @@ def test_sequence_entries_are_the_geometric_mean_ratio_mean_advantage_and_summed
         ref.add(r8, r16, a, torch.ones_like(a), weights=ww, dual_clip=dual_clip)
     assert torch.allclose(hist.payload, ref.payload, rtol=1e-12, atol=1e-12)
     assert hist.scalar("tokens") == len(entries)
+
+
+def test_calibrate_bounds_uses_every_knob_it_is_given():
+    """The stateless helper against a controller built with the same knobs, on a batch where each
+    knob changes the answer (the range holds the far tokens or not; the weights move alpha; the
+    rules' balance moves H)."""
+    from megatron_rl.algo.calibrated_clip import calibrate_bounds
+
+    g = torch.Generator().manual_seed(21)
+    n = 6000
+    log16 = torch.randn(1, n, generator=g, dtype=torch.float64) * 0.3
+    log8 = log16 + torch.randn(1, n, generator=g, dtype=torch.float64) * 0.1 - 0.05
+    adv = torch.randn(1, n, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, n)
+    weights = torch.where(log16 < -0.2, 3.0, 1.0).double()  # BF16-clipped tokens weigh 3x: alpha grows
+    rules = Rules(low_min=0.3, high_max=3.0, alpha_tolerance=0.0, alpha_tolerance_tokens=0.0, balance="count")
+    knobs = dict(num_bins=512, log_ratio_range=0.5, rules=rules, weights=weights)
+    got = calibrate_bounds(log8.exp(), log16.exp(), adv, mask, 0.2, 0.28, **knobs)
+    ctrl = CalibratedClipController(0.2, 0.28, num_bins=512, log_ratio_range=0.5, rules=rules)
+    ctrl.update(log8.exp(), log16.exp(), adv, mask, weights=weights)
+    assert got == ctrl.bounds
+    for knob, other in (("num_bins", 64), ("log_ratio_range", 2.0), ("rules", rules._replace(balance="abs_adv_ratio")),
+                        ("weights", None)):
+        changed = calibrate_bounds(log8.exp(), log16.exp(), adv, mask, 0.2, 0.28, **{**knobs, knob: other})
+        assert changed != got, knob
