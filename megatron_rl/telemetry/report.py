@@ -160,9 +160,14 @@ CLAIMS = (
 )
 
 
+_SEED_SUFFIX = re.compile(r"(.+) s[0-9]+")
+
+
 def _variant(label: str) -> str:
-    """'fp8_tensorwise s2' -> 'fp8_tensorwise': seeds of one variant are averaged."""
-    return label.rsplit(" s", 1)[0] if " s" in label else label
+    """'fp8_tensorwise s2' -> 'fp8_tensorwise': seeds of one variant are averaged. Only a trailing
+    ' s<number>' names a seed ('gspo seq-cc' is a variant of its own, not a seed of 'gspo')."""
+    match = _SEED_SUFFIX.fullmatch(label)
+    return match.group(1) if match else label
 
 
 def claims_table(runs: dict[str, list[dict]]) -> str:
@@ -184,12 +189,17 @@ def claims_table(runs: dict[str, list[dict]]) -> str:
 
 
 def load_runs(run_dirs: list[str | Path], labels: list[str] | None = None) -> dict[str, list[dict]]:
-    runs = {}
+    runs, folders = {}, {}
     for i, d in enumerate(run_dirs):
         path = Path(d) / "metrics.jsonl"
         if not path.is_file():
             raise ValueError(f"no metrics.jsonl in run folder {d}")
-        runs[labels[i] if labels else Path(d).name] = read_jsonl(path)
+        label = labels[i] if labels else Path(d).name
+        if label in folders:  # one would silently replace the other in the tables
+            raise ValueError(f"run folders {folders[label]} and {d} have the same label {label!r}: "
+                             "give each run its own (--labels)")
+        folders[label] = d
+        runs[label] = read_jsonl(path)
     return runs
 
 
