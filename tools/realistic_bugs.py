@@ -19,6 +19,12 @@ module. A module's words: its path under megatron_rl/ split at "/" and "_", with
 file's words: its name after "test_values_", split at "_", without ".py" and a trailing "dist"
 (test_values_checkpoint_dist.py -> checkpoint). Value tests added later are picked up without editing
 the bug list; a bug whose module shares no word with any of them runs its mapped tests alone.
+With the flag, the value-test files are first run on the unmodified tree: a failure there stops the
+tool (a bug would be "caught" by a test that fails anyway).
+
+Every pytest run gets a fresh, empty Hypothesis database and --hypothesis-seed=0: property tests
+draw the same examples for every bug, and a failing example that one run saved cannot fail the runs
+of the bugs after it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -492,6 +499,25 @@ def _git_clean(path: str) -> bool:
     return subprocess.run(["git", "diff", "--quiet", "--", path], cwd=ROOT).returncode == 0
 
 
+def _pytest(files: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """pytest -x on `files` with a fresh Hypothesis database and a fixed Hypothesis seed."""
+    with tempfile.TemporaryDirectory(prefix="realistic_bugs_hypothesis_") as hyp:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HYPOTHESIS_STORAGE_DIRECTORY": hyp}
+        return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "--hypothesis-seed=0", f"--timeout={timeout}", *files], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout * 3)
+
+
+def check_clean(files: list[str], timeout: int) -> None:
+    """SystemExit when `files` fail on the unmodified tree."""
+    if not files:
+        return
+    proc = _pytest(files, timeout)
+    if proc.returncode != 0:
+        failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+        raise SystemExit(f"the value tests fail without any bug, fix them first: {failed or proc.stdout[-2000:]}")
+
+
 def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False, value_tests: tuple[str, ...] = ()) -> dict:
     path = ROOT / bug.file
     original = path.read_text()
@@ -501,14 +527,10 @@ def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False, value_tests: t
         compile(original.replace(bug.old, bug.new), bug.file, "exec")
     except SyntaxError as err:
         return {"id": bug.id, "status": "broken", "what": f"{bug.what}: {err}"}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     try:
         path.write_text(original.replace(bug.old, bug.new))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               f"--timeout={timeout}", *value_tests, *(() if old_tests_only else bug.new_tests),
-                               *bug.tests], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout * 3)
+        proc = _pytest([*value_tests, *(() if old_tests_only else bug.new_tests), *bug.tests], timeout)
         failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
         status = "caught" if proc.returncode != 0 else "missed"
     except subprocess.TimeoutExpired:
@@ -541,6 +563,8 @@ def main() -> None:
         return
     results = []
     t0 = time.time()
+    if a.with_value_tests:
+        check_clean(sorted({f for b in bugs if b.round == "fourth" for f in value_tests_for(b)}), a.timeout)
     for bug in bugs:
         extra = value_tests_for(bug) if a.with_value_tests and bug.round == "fourth" else ()
         results.append(run_bug(bug, a.timeout, a.old_tests_only, extra))
