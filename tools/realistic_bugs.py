@@ -4,11 +4,27 @@ run, and the source restored (always: try/finally, then `git diff` checked clean
     python tools/realistic_bugs.py                 # every bug -> realistic_bugs.json
     python tools/realistic_bugs.py --only b03 b07  # some
     python tools/realistic_bugs.py --list
+    python tools/realistic_bugs.py --round fourth --with-value-tests --out fourth.json
 
 A bug is caught when any of its mapped test files fails. Only those files run (a targeted subset), so
 a bug that only some other test would catch counts as missed. `round` says when the bug was
-written: before the tests of issue 42 ("before"), after the first of them ("after"), or after all of
-them ("third").
+written: before the tests of issue 42 ("before"), after the first of them ("after"), after all of
+them ("third"), or from the product code alone while a further set of value tests was being written,
+without looking at them ("fourth": an independent measure).
+
+--with-value-tests (round "fourth" only): a bug also runs every value-test file present at run time,
+tests/unit/test_values_*.py and tests/dist/test_values_*.py, whose name shares a word with the bug's
+module. A module's words: its path under megatron_rl/ split at "/" and "_", without ".py"
+(megatron_rl/algo/calibrated_clip.py -> algo, calibrated, clip; megatron_rl/train.py -> train). A test
+file's words: its name after "test_values_", split at "_", without ".py" and a trailing "dist"
+(test_values_checkpoint_dist.py -> checkpoint). Value tests added later are picked up without editing
+the bug list; a bug whose module shares no word with any of them runs its mapped tests alone.
+With the flag, the value-test files are first run on the unmodified tree: a failure there stops the
+tool (a bug would be "caught" by a test that fails anyway).
+
+Every pytest run gets a fresh, empty Hypothesis database and --hypothesis-seed=0: property tests
+draw the same examples for every bug, and a failing example that one run saved cannot fail the runs
+of the bugs after it.
 """
 
 from __future__ import annotations
@@ -18,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -231,12 +248,277 @@ THIRD: list[Bug] = [  # a third round, written after every test of issue 42 was 
 ]
 BUGS += THIRD
 
+FOURTH: list[Bug] = [  # a fourth round, written from the product code alone (an independent measure)
+    # ---- algo/calibrated_clip.py
+    Bug("d01", "fourth", "megatron_rl/algo/calibrated_clip.py",
+        "self.next_due = (self.next_due if step is None else step) // self.period * self.period + self.period",
+        "self.next_due = (self.next_due if step is None else step) + self.period",
+        (U + "test_algo_calibrated_clip.py", U + "test_algo_calibrated_clip_sequence.py"),
+        "after a retried calibration the next one is due period steps after the retry, off the grid"),
+    Bug("d02", "fourth", "megatron_rl/algo/calibrated_clip.py",
+        "high_raw, high_status = solve_high(hist, math.log(low), self.rules)",
+        "high_raw, high_status = solve_high(hist, math.log(low if low_raw is None else low_raw), self.rules)",
+        (U + "test_algo_calibrated_clip.py", U + "test_algo_calibrated_clip_sequence.py"),
+        "smoothing < 1: H solved at the raw L*, not at the smoothed L that is applied"),
+    Bug("d03", "fourth", "megatron_rl/algo/calibrated_clip.py",
+        'self.high = 1.0 + eps_high if init_high is None or mode == "lower_only" else float(init_high)',
+        "self.high = 1.0 + eps_high if init_high is None else float(init_high)",
+        (U + "test_algo_calibrated_clip.py", U + "test_algo_calibrated_clip_sequence.py"),
+        "mode lower_only starts H at init_high instead of holding 1 + eps_high"),
+    # ---- algo/policy_loss.py
+    Bug("d04", "fourth", "megatron_rl/algo/policy_loss.py",
+        "return (valid.sum(dim=-1) > 0).sum()", "return torch.tensor(valid.shape[0])",
+        (U + "test_algo_policy_loss.py", U + "test_algo_loss_modes.py"),
+        "seq-mean denominators count fully masked rows"),
+    Bug("d05", "fourth", "megatron_rl/algo/policy_loss.py",
+        "metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, response))",
+        "metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, valid))",
+        (U + "test_algo_policy_loss.py", U + "test_algo_loss_modes.py"),
+        "mismatch metrics over the kept tokens: rejection hides the mismatch it rejected"),
+    Bug("d06", "fourth", "megatron_rl/algo/policy_loss.py",
+        "penalty_tok, penalty_metrics = _penalties(\n        logprobs, valid, ref_logprobs,",
+        "penalty_tok, penalty_metrics = _penalties(\n"
+        "        torch.where(valid, old_logprobs.detach().float(), 0.0), valid, ref_logprobs,",
+        (U + "test_algo_policy_loss.py", U + "test_algo_loss_modes.py"),
+        "KL penalty evaluated at old_logprobs: same value on-policy, no gradient"),
+    Bug("d07", "fourth", "megatron_rl/algo/policy_loss.py",
+        "weights = weights / valid.sum(dim=-1, keepdim=True).clamp(min=1)",
+        "weights = weights / response.sum(dim=-1, keepdim=True).clamp(min=1)",
+        (U + "test_algo_policy_loss.py", U + "test_algo_loss_modes.py", U + "test_algo_calibrated_clip.py"),
+        "seq-mean-token-mean token weights divide by the response length before rejection"),
+    # ---- algo/ratio_histogram.py
+    Bug("d08", "fourth", "megatron_rl/algo/ratio_histogram.py",
+        "self._add_ref_side(rr, adv, w * ~((adv < 0) & (rr > c)))",
+        "self._add_ref_side(rr, adv, w * ~((adv < 0) & (r8 > c)))",
+        (U + "test_algo_calibrated_clip.py", U + "test_algo_calibrated_clip_sequence.py"),
+        "the BF16 side's dual-clip exclusion tests the FP8 ratio"),
+    Bug("d09", "fourth", "megatron_rl/algo/ratio_histogram.py",
+        "neg_kept, pos_kept = neg & (rr >= 1.0 - self.eps_low), pos & (rr <= 1.0 + self.eps_high)",
+        "neg_kept, pos_kept = neg & (rr > 1.0 - self.eps_low), pos & (rr < 1.0 + self.eps_high)",
+        (U + "test_algo_calibrated_clip.py", U + "test_algo_calibrated_clip_sequence.py"),
+        "a BF16 ratio exactly at 1 - eps / 1 + eps counted as clipped"),
+    Bug("d10", "fourth", "megatron_rl/algo/ratio_histogram.py",
+        "w = torch.where(valid, weights.detach().double(), 0.0).sum(dim=-1, keepdim=True)",
+        "w = torch.where(valid, weights.detach().double(), 0.0).sum(dim=-1, keepdim=True)"
+        " / valid.sum(dim=-1, keepdim=True).clamp(min=1)",
+        (U + "test_algo_calibrated_clip_sequence.py", U + "test_algo_calibrated_clip.py"),
+        "a sequence's histogram weight is the mean of its token weights, not their sum"),
+    # ---- telemetry/
+    Bug("d11", "fourth", "megatron_rl/telemetry/report.py",
+        "vals = vals[-max(1, len(vals) // 4):]", "vals = vals[-(len(vals) // 4):]",
+        (U + "test_report.py",), "'last quarter' of fewer than 4 values averages all of them"),
+    Bug("d12", "fourth", "megatron_rl/telemetry/report.py",
+        'return label.rsplit(" s", 1)[0] if " s" in label else label', 'return label.split(" s")[0]',
+        (U + "test_report.py",), "claims table: a variant label is cut at its first ' s' (variants merged)"),
+    Bug("d13", "fourth", "megatron_rl/telemetry/logger.py",
+        'if line.strip() and json.loads(line)["step"] < start_step]',
+        'if line.strip() and json.loads(line)["step"] <= start_step]',
+        (U + "test_telemetry.py",), "a resumed log keeps the resume step's old line: that step is logged twice"),
+    Bug("d14", "fourth", "megatron_rl/telemetry/health.py",
+        "if entropy is not None and step >= self.warmup_steps:", "if entropy is not None and step > self.warmup_steps:",
+        (U + "test_health.py",), "surge detector skips one step past warmup_steps"),
+    # ---- loop/phases.py
+    Bug("d15", "fourth", "megatron_rl/loop/phases.py",
+        "_loss_fn(run, denominator, _bounds(run), calibrating, forced)",
+        "_loss_fn(run, denominator, run.controller.bounds, calibrating, forced)",
+        (U + "test_phases_calib.py", U + "test_phases_losses.py", U + "test_phases_run.py"),
+        "the loss clips at the controller's bounds with calibration off (diagnose, CISPO); the log shows the configured ones"),
+    Bug("d16", "fourth", "megatron_rl/loop/phases.py",
+        'kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_loss_type) * mask',
+        'kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], a.kl_reward_type) * mask',
+        (U + "test_phases_run.py", "tests/e2e/test_reference.py"), "kl/ref_mean uses the reward's KL estimator"),
+    Bug("d17", "fourth", "megatron_rl/loop/phases.py",
+        "forced = cfg.algo.force_on_policy_ratio and epoch == 0 and i == 0",
+        "forced = cfg.algo.force_on_policy_ratio and i == 0",
+        (U + "test_phases_losses.py", U + "test_phases_run.py", U + "test_algo_force_on_policy.py"),
+        "force_on_policy_ratio forces the first mini-batch of every PPO epoch"),
+    Bug("d18", "fourth", "megatron_rl/loop/phases.py",
+        "float((penalty * kept).sum()), float(kept.sum())]", "float((penalty * kept).sum()), float(kept.numel())]",
+        (U + "test_phases_run.py", "tests/e2e/test_reference.py"),
+        "kl/reward_penalty averaged over the filler rows of dynamic sampling too"),
+    # ---- loop/build.py
+    Bug("d19", "fourth", "megatron_rl/loop/build.py",
+        "return bool(every) and (step + 1) % every == 0", "return bool(every) and step % every == 0",
+        (U + "test_build_run.py",), "save_hf_every exports one step early (and after step 0)"),
+    Bug("d20", "fourth", "megatron_rl/loop/build.py",
+        "batched = r.batched and name == r.name", "batched = r.batched",
+        (U + "test_build_run.py",), "an eval dataset's own reward is called batched because the training one is"),
+    Bug("d21", "fourth", "megatron_rl/loop/build.py",
+        "return sg.startup_timeout_s + (sg.max_retries + 1) * sg.request_timeout_s + 600.0",
+        "return sg.startup_timeout_s + sg.max_retries * sg.request_timeout_s + 600.0",
+        (U + "test_host_wait.py", U + "test_build_run.py"), "long-wait timeout counts retries, not attempts"),
+    # ---- checkpointing: loop/checkpoint.py, loop/best.py
+    Bug("d22", "fourth", "megatron_rl/loop/checkpoint.py",
+        'keep = set(steps[-self.keep_last:]) | {', 'keep = set(steps[len(steps) - self.keep_last:]) | {',
+        (U + "test_checkpoint_retention.py", U + "test_checkpoint_faults.py"),
+        "fewer checkpoints than keep_last: all but the newest deleted"),
+    Bug("d23", "fourth", "megatron_rl/loop/checkpoint.py",
+        '{self._marked_step("latest"), self._marked_step("best")}', '{self._marked_step("latest")}',
+        (U + "test_checkpoint_retention.py", U + "test_checkpoint_faults.py"), "retention deletes the best checkpoint"),
+    Bug("d24", "fourth", "megatron_rl/loop/checkpoint.py",
+        'state["rng"] = rngs[parallel.rank] if parallel.rank < len(rngs) else rngs[0]',
+        'state["rng"] = rngs[parallel.rank % len(rngs)]',
+        (U + "test_checkpoint_faults.py", U + "test_checkpoint_retention.py"),
+        "resumed on more ranks: a new rank takes rank (r mod saved)'s RNG, not rank 0's"),
+    Bug("d25", "fourth", "megatron_rl/loop/checkpoint.py",
+        'run.sync.version = state["sync_version"] - 1', 'run.sync.version = state["sync_version"]',
+        (U + "test_checkpoint_faults.py", U + "test_checkpoint_retention.py"),
+        "a resumed run's weight version one ahead of the uninterrupted run's"),
+    Bug("d26", "fourth", "megatron_rl/loop/best.py",
+        'if state.get("metric") != self.metric:', 'if "metric" not in state:',
+        (U + "test_eval_bookkeeping.py",), "best.json of another eval metric continues the record"),
+    # ---- the colocated path: loop/colocated.py and its use in train.py
+    Bug("d27", "fourth", "megatron_rl/loop/colocated.py",
+        'RESUME_AFTER_SYNC = ("kv_cache", "cuda_graph")', 'RESUME_AFTER_SYNC = ("kv_cache",)',
+        (U + "test_colocated_memory.py", U + "test_sglang_release_tags.py"),
+        "CUDA graphs left released after the sync"),
+    Bug("d28", "fourth", "megatron_rl/loop/colocated.py",
+        "self.actor.offload()", 'self.actor.offload(("grads", "optimizer"))',
+        (U + "test_colocated_memory.py", U + "test_sglang_release_tags.py"),
+        "after a save between steps the trainer's parameters stay on the device"),
+    Bug("d29", "fourth", "megatron_rl/train.py",
+        "enabled=cfg.train.colocated_protocol and is_colocated(cfg)", "enabled=is_colocated(cfg)",
+        ("tests/e2e/test_colocated.py", U + "test_phases_run.py"), "train.colocated_protocol=false ignored"),
+    Bug("d30", "fourth", "megatron_rl/train.py",
+        "if batch is not None or (rollout.batch is not None and memory.enabled):", "if batch is not None:",
+        ("tests/e2e/test_colocated.py", U + "test_phases_run.py"),
+        "colocated: a step whose update is skipped does not give the released engine its weights back"),
+    # ---- train.py: evaluation / save pairing, logged values, collective state
+    Bug("d31", "fourth", "megatron_rl/train.py",
+        "metrics.update(_evaluate(run_, evaluator, best, step, step + 1, memory))",
+        "metrics.update(_evaluate(run_, evaluator, best, step, step, memory))",
+        (U + "test_eval_bookkeeping.py", "tests/e2e/test_eval.py"),
+        "the at_end score is paired with the checkpoint before the last update"),
+    Bug("d32", "fourth", "megatron_rl/train.py",
+        '    metrics["lr"] = run_.actor.lr  # what this step\'s updates use\n'
+        "    if rollout.batch is not None:\n"
+        "        metrics.update(memory.begin_training())  # colocated: engine out, trainer in\n"
+        "    batch = phases.prepare(run_, rollout.batch, step, metrics, memory)  # None: the step is skipped\n"
+        "    if batch is not None:\n"
+        "        metrics.update(phases.update_policy(run_, batch, step))\n"
+        "        run_.actor.advance_lr_schedule()  # per trained step: a skipped step leaves the schedule\n",
+        "    if rollout.batch is not None:\n"
+        "        metrics.update(memory.begin_training())  # colocated: engine out, trainer in\n"
+        "    batch = phases.prepare(run_, rollout.batch, step, metrics, memory)  # None: the step is skipped\n"
+        "    if batch is not None:\n"
+        "        metrics.update(phases.update_policy(run_, batch, step))\n"
+        "        run_.actor.advance_lr_schedule()  # per trained step: a skipped step leaves the schedule\n"
+        '    metrics["lr"] = run_.actor.lr\n',
+        ("tests/e2e/test_rl_loop.py", U + "test_actor_schedule.py"),
+        "lr logged after the schedule advanced: the next step's lr, not the one the updates used"),
+    Bug("d33", "fourth", "megatron_rl/train.py",
+        "return collectives.broadcast_object(detector, 0, None)",
+        "return detector or SurgeDetector.from_config(run_.cfg.health)",
+        (U + "test_health.py", "tests/dist/test_phases_dp.py"),
+        "health detector rebuilt from the log on rank 0 only: other ranks restart it empty on resume"),
+    # ---- rewards/http.py
+    Bug("d34", "fourth", "megatron_rl/rewards/http.py",
+        "RETRIED_STATUS = (429, 500, 502, 503, 504)", "RETRIED_STATUS = (500, 502, 503, 504)",
+        (U + "test_rewards_http.py",), "HTTP 429 (rate limited) not retried"),
+    Bug("d35", "fourth", "megatron_rl/rewards/http.py",
+        "time.sleep(self.backoff_s * 2 ** (attempt - 1))", "time.sleep(self.backoff_s * 2 ** attempt)",
+        (U + "test_rewards_http.py",), "backoff doubled from the first retry: every sleep twice the budget's"),
+    Bug("d36", "fourth", "megatron_rl/rewards/http.py",
+        "return (self.max_retries + 1) * self.timeout_s + backoff", "return self.max_retries * self.timeout_s + backoff",
+        (U + "test_rewards_http.py", U + "test_build_run.py"),
+        "the call's budget counts retries, not attempts: the runner kills the last attempt"),
+    # ---- data: word_math, prompt_file, templates (datasets), tasks
+    Bug("d37", "fourth", "megatron_rl/data/word_math.py",
+        "paid = next(bill for bill in BILLS if bill >= price * count)",
+        "paid = next(bill for bill in BILLS if bill > price * count)",
+        (U + "test_data_word_math.py",), "an exact bill is not the smallest that pays (and 5000 exact has none)"),
+    Bug("d38", "fourth", "megatron_rl/data/word_math.py",
+        "friend = rng.choice([x for x in NAMES if x != name])", "friend = rng.choice(NAMES)",
+        (U + "test_data_word_math.py",), "take-away: a name gives items to itself"),
+    Bug("d39", "fourth", "megatron_rl/data/prompt_file.py",
+        "            except json.JSONDecodeError:\n                continue",
+        "            except json.JSONDecodeError:\n                break",
+        (U + "test_preflight.py",), "a bad JSON line before the first row: the file is refused as empty"),
+    Bug("d40", "fourth", "megatron_rl/data/prompt_file.py",
+        "return lookup(first, column) is not None", "return column in first",
+        (U + "test_preflight.py",), "JSONL check: dotted columns not followed (and a null column passes)"),
+    Bug("d41", "fourth", "megatron_rl/data/datasets.py",
+        "            text = self._templated(prompt)\n", "            text = prompt\n",
+        (U + "test_data_datasets.py", U + "test_data_knobs.py"), "prompt_template ignored without a chat template"),
+    Bug("d42", "fourth", "megatron_rl/data/datasets.py",
+        "add_generation_prompt=True, tokenize=False, **self.fmt.template_kwargs",
+        "add_generation_prompt=True, tokenize=False",
+        (U + "test_data_datasets.py", U + "test_data_knobs.py"), "data.template_kwargs not passed to the chat template"),
+    Bug("d43", "fourth", "megatron_rl/data/tasks.py",
+        r'_CHAIN_RE = re.compile(r"\d+\+\d+=\d+(,\d+\+\d+=\d+)*:\d+", re.ASCII)',
+        r'_CHAIN_RE = re.compile(r"\d+\+\d+=\d+(,\d+\+\d+=\d+)+:\d+", re.ASCII)',
+        (U + "test_data_tasks.py", U + "test_data_datasets.py"), "a one-step chain (num_terms=2) counted as garbled"),
+    Bug("d44", "fourth", "megatron_rl/data/tasks.py",
+        'if merged.get("min_len", 0) > merged.get("max_len", 1 << 30):',
+        'if merged.get("min_len", 0) >= merged.get("max_len", 1 << 30):',
+        (U + "test_data_tasks.py", U + "test_data_datasets.py"), "min_len == max_len refused"),
+    # ---- cluster/memory.py
+    Bug("d45", "fourth", "megatron_rl/cluster/memory.py",
+        "if s.use_distributed_optimizer:\n        optimizer /= dp", "if dp > 1:\n        optimizer /= dp",
+        (U + "test_memory_parts.py", U + "test_plan.py"), "optimizer state sharded over DP without the distributed optimizer"),
+    Bug("d46", "fourth", "megatron_rl/cluster/memory.py",
+        "chunk = min(par.recompute_num_layers, layers)", "chunk = par.recompute_num_layers",
+        (U + "test_memory_parts.py", U + "test_plan.py"), "full recompute chunk not capped at the stage's layers"),
+    Bug("d47", "fourth", "megatron_rl/cluster/memory.py",
+        "return max(spec.num_query_groups // tp, 1) * 2", "return spec.num_query_groups / tp * 2",
+        (U + "test_memory_parts.py", U + "test_plan.py"), "KV cell with fewer KV heads than TP: heads split, not replicated"),
+    Bug("d48", "fourth", "megatron_rl/cluster/memory.py",
+        "return -(-t.max_tokens_per_micro_batch // multiple) * multiple",
+        "return t.max_tokens_per_micro_batch // multiple * multiple",
+        (U + "test_memory_parts.py", U + "test_plan.py"), "packed micro-batch tokens rounded down to the pad multiple"),
+]
+BUGS += FOURTH
+
+
+VALUE_TEST_GLOBS = ("tests/unit/test_values_*.py", "tests/dist/test_values_*.py")
+
+
+def module_words(path: str) -> set[str]:
+    """megatron_rl/algo/calibrated_clip.py -> {"algo", "calibrated", "clip"}."""
+    parts = Path(path).with_suffix("").parts
+    parts = parts[1:] if parts and parts[0] == "megatron_rl" else parts
+    return {w for p in parts for w in p.split("_") if w}
+
+
+def test_words(path: str) -> set[str]:
+    """tests/dist/test_values_checkpoint_dist.py -> {"checkpoint"}."""
+    words = Path(path).stem.removeprefix("test_values_").split("_")
+    if len(words) > 1 and words[-1] == "dist":
+        words = words[:-1]
+    return {w for w in words if w}
+
+
+def value_tests_for(bug: Bug) -> tuple[str, ...]:
+    """The value-test files present now whose name shares a word with the bug's module."""
+    files = sorted(str(p.relative_to(ROOT)) for g in VALUE_TEST_GLOBS for p in ROOT.glob(g))
+    mine = module_words(bug.file)
+    return tuple(f for f in files if mine & test_words(f) and f not in bug.tests)
+
 
 def _git_clean(path: str) -> bool:
     return subprocess.run(["git", "diff", "--quiet", "--", path], cwd=ROOT).returncode == 0
 
 
-def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False) -> dict:
+def _pytest(files: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """pytest -x on `files` with a fresh Hypothesis database and a fixed Hypothesis seed."""
+    with tempfile.TemporaryDirectory(prefix="realistic_bugs_hypothesis_") as hyp:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HYPOTHESIS_STORAGE_DIRECTORY": hyp}
+        return subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "--hypothesis-seed=0", f"--timeout={timeout}", *files], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout * 3)
+
+
+def check_clean(files: list[str], timeout: int) -> None:
+    """SystemExit when `files` fail on the unmodified tree."""
+    if not files:
+        return
+    proc = _pytest(files, timeout)
+    if proc.returncode != 0:
+        failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+        raise SystemExit(f"the value tests fail without any bug, fix them first: {failed or proc.stdout[-2000:]}")
+
+
+def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False, value_tests: tuple[str, ...] = ()) -> dict:
     path = ROOT / bug.file
     original = path.read_text()
     if original.count(bug.old) != 1:
@@ -245,14 +527,10 @@ def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False) -> dict:
         compile(original.replace(bug.old, bug.new), bug.file, "exec")
     except SyntaxError as err:
         return {"id": bug.id, "status": "broken", "what": f"{bug.what}: {err}"}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     try:
         path.write_text(original.replace(bug.old, bug.new))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               f"--timeout={timeout}", *(() if old_tests_only else bug.new_tests),
-                               *bug.tests], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout * 3)
+        proc = _pytest([*value_tests, *(() if old_tests_only else bug.new_tests), *bug.tests], timeout)
         failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
         status = "caught" if proc.returncode != 0 else "missed"
     except subprocess.TimeoutExpired:
@@ -262,31 +540,41 @@ def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False) -> dict:
     if not _git_clean(bug.file):
         raise SystemExit(f"{bug.file} not restored: check `git diff`")
     return {"id": bug.id, "round": bug.round, "file": bug.file, "what": bug.what, "status": status,
-            "by": failed[:3], "seconds": round(time.time() - t0, 1)}
+            "by": failed[:3], "seconds": round(time.time() - t0, 1),
+            "tests": [*value_tests, *(() if old_tests_only else bug.new_tests), *bug.tests]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*")
-    p.add_argument("--round", choices=("before", "after", "third"))
+    p.add_argument("--round", choices=("before", "after", "third", "fourth"))
     p.add_argument("--list", action="store_true")
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--out", default="realistic_bugs.json")
     p.add_argument("--old-tests-only", action="store_true", help="run only the test files that predate issue 42")
+    p.add_argument("--with-value-tests", action="store_true",
+                   help="round fourth: also run the test_values_* files sharing a word with the bug's module")
     a = p.parse_args()
     bugs = [b for b in BUGS if (not a.only or b.id in a.only) and (not a.round or b.round == a.round)]
     if a.list:
         for b in bugs:
-            print(f"{b.id} {b.round:6} {b.file}: {b.what}")
+            extra = value_tests_for(b) if a.with_value_tests and b.round == "fourth" else ()
+            print(f"{b.id} {b.round:6} {b.file}: {b.what}" + (f" [+ {', '.join(extra)}]" if extra else ""))
         return
     results = []
+    t0 = time.time()
+    if a.with_value_tests:
+        check_clean(sorted({f for b in bugs if b.round == "fourth" for f in value_tests_for(b)}), a.timeout)
     for bug in bugs:
-        results.append(run_bug(bug, a.timeout, a.old_tests_only))
+        extra = value_tests_for(bug) if a.with_value_tests and bug.round == "fourth" else ()
+        results.append(run_bug(bug, a.timeout, a.old_tests_only, extra))
         print(json.dumps(results[-1]), flush=True)
     caught = sum(r["status"] == "caught" for r in results)
-    summary = {"caught": caught, "total": len(results), "rate": caught / max(len(results), 1), "bugs": results}
+    summary = {"caught": caught, "total": len(results), "rate": caught / max(len(results), 1),
+               "missed": [r["id"] for r in results if r["status"] != "caught"],
+               "seconds": round(time.time() - t0, 1), "bugs": results}
     Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"caught {caught} of {len(results)}")
+    print(f"caught {caught} of {len(results)} in {summary['seconds']} s; missed {summary['missed']}")
 
 
 if __name__ == "__main__":
