@@ -1,0 +1,229 @@
+"""Value tests of checkpoints and what the loop pairs with them: which steps train.py saves and
+evaluates for every crossing of save_every x save_final x eval.every x at_end x num_steps, which
+score becomes `best` (only checkpointed weights compete; a tie keeps the earlier), retention at its
+exact boundaries (N complete folders, `best` or `latest` among the newest, step numbers past six
+digits), and resume reading the folder `latest` names even when a newer complete one exists.
+
+The loop runs for real (train._train) around stand-ins for the trainer and the engine: a step, an
+evaluation and a save write small files; the Checkpointer, BestCheckpoint, Run.save_due, the
+evaluator's schedule and the loop's order are the real ones. Expected values are by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_rl import train
+from megatron_rl.config import load_config
+from megatron_rl.loop import build, evaluate
+from megatron_rl.loop.best import BestCheckpoint
+from megatron_rl.loop.checkpoint import Checkpointer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Actor:
+    """The trainer's 'weights' are the number of updates so far; a save writes them."""
+
+    def __init__(self):
+        self.updates, self.lr = 0, 1e-6
+        self.scheduler = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
+
+    def save_checkpoint(self, folder: Path, async_save: bool = False):
+        (folder / "weights.json").write_text(json.dumps(self.updates))
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self.updates = json.loads((folder / "weights.json").read_text())
+
+
+class _Logger:
+    def __init__(self):
+        self.history, self.logged = [], []
+
+    def log(self, step, metrics):
+        self.logged.append((step, dict(metrics)))
+
+    def close(self):
+        pass
+
+    def summary(self):
+        return ""
+
+
+class _Evaluator(evaluate.Evaluator):
+    """The real schedule (due); evaluate() returns the score table's value for the weights it is
+    given and records which weights it scored."""
+
+    def __init__(self, run, scores):
+        super().__init__(run, [])
+        self.scores, self.scored = scores, []
+
+    def evaluate(self, step, memory=None, dump_dir=None):
+        self.scored.append(step)
+        assert step == self.run.actor.updates, "the eval must score the weights the engine holds"
+        return {"eval/h/avg@1": self.scores.get(step, 0.0)}
+
+    def close(self):
+        pass
+
+
+def _loop(tmp_path, monkeypatch, overrides, scores=None):
+    """Run train._train; returns (run, evaluator, steps trained)."""
+    cfg = load_config(None, [f"log.dir={tmp_path}", "checkpoint.resume=false", "train.colocated_protocol=false",
+                             "log.plot=false", "eval.datasets=[{name: h, task: sort}]", *overrides])
+    actor, stepped = _Actor(), []
+    run = build.Run(cfg, SimpleNamespace(rank=0, tp_rank=0, pp_rank=0, world_size=1), None,
+                    SimpleNamespace(state_dict=lambda: {}), actor, None,
+                    SimpleNamespace(transport=None, wait_for_owners=False, wait_group=None, version=0,
+                                    sync=lambda: {}, close=lambda: None),
+                    SimpleNamespace(close=lambda: None), SimpleNamespace(state_dict=lambda: {}), _Logger(),
+                    Checkpointer(Path(cfg.log.dir) / "checkpoints", keep_last=cfg.checkpoint.keep_last))
+    holder = {}
+
+    def step(run_, step, memory):
+        assert actor.updates == step
+        actor.updates += 1
+        stepped.append(step)
+        return {}
+
+    def make_evaluator(run_):
+        holder["e"] = _Evaluator(run_, scores or {})
+        return holder["e"]
+
+    monkeypatch.setattr(train, "job_cluster", lambda: None)
+    monkeypatch.setattr(train.build, "build_run", lambda cfg: run)
+    monkeypatch.setattr(train.evaluate.Evaluator, "build", staticmethod(make_evaluator))
+    monkeypatch.setattr(train, "_step", step)
+    train._train(cfg)
+    return run, holder["e"], stepped
+
+
+def _saved(run) -> list[int]:
+    root = run.checkpointer.root
+    return sorted(int(p.name[5:]) for p in root.glob("step_*")) if root.exists() else []
+
+
+def _expected_saves(num_steps, every, final):
+    return sorted({s for s in range(1, num_steps + 1) if every and s % every == 0} | ({num_steps} if final else set()))
+
+
+def _expected_evals(num_steps, every, at_start, at_end):
+    tops = [s for s in range(num_steps) if (s == 0 and at_start) or (every and s > 0 and s % every == 0)]
+    return tops + ([num_steps] if at_end else [])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 7), st.integers(0, 4), st.booleans(), st.integers(0, 3), st.booleans(), st.booleans())
+def test_the_loop_saves_and_evaluates_exactly_the_documented_steps(tmp_path_factory, num_steps, save_every, save_final,
+                                                                   eval_every, at_start, at_end):
+    with pytest.MonkeyPatch.context() as mp:  # one per example: function fixtures are not reset between them
+        run, ev, stepped = _loop(tmp_path_factory.mktemp("loop"), mp, [
+            f"train.num_steps={num_steps}", f"checkpoint.save_every={save_every}",
+            f"checkpoint.save_final={str(save_final).lower()}", "checkpoint.keep_last=0", f"eval.every={eval_every}",
+            f"eval.at_start={str(at_start).lower()}", f"eval.at_end={str(at_end).lower()}"])
+    assert stepped == list(range(num_steps))
+    assert _saved(run) == _expected_saves(num_steps, save_every, save_final)
+    for s in _saved(run):  # each checkpoint holds the weights after s updates
+        assert json.loads((run.checkpointer.root / f"step_{s:06d}" / "model" / "weights.json").read_text()) == s
+    assert ev.scored == _expected_evals(num_steps, eval_every, at_start, at_end)
+
+
+@pytest.mark.parametrize("overrides, scores, best, latest", [
+    # eval every 2 on checkpoints every 2: weights 6 tie with 4, the earlier stays best
+    (["eval.every=2", "checkpoint.save_every=2"], {2: 0.5, 4: 0.7, 6: 0.7, 7: 0.1}, 4, 7),
+    # eval every 3, saves every 2: the 0.9 of weights 3 has no checkpoint; at_end scores the final
+    # one, after the final publish pruned: the old best (6) goes all the same
+    (["eval.every=3", "checkpoint.save_every=2", "eval.at_end=true"], {3: 0.9, 6: 0.4, 7: 0.5}, 7, 7),
+    # at_start scores weights 0, which no checkpoint holds
+    (["eval.every=2", "eval.at_start=true", "checkpoint.save_every=2"], {0: 1.0, 2: 0.2, 4: 0.1, 6: 0.3}, 6, 7),
+    # the final save is the only pairing of at_end
+    (["eval.every=0", "eval.at_end=true", "checkpoint.save_every=0"], {7: 0.3}, 7, 7),
+    # the last eval (top of step 6) moves best to 6 after the last save: 4 is not kept
+    (["eval.every=2", "checkpoint.save_every=2", "checkpoint.save_final=false"], {2: 0.1, 4: 0.2, 6: 0.3}, 6, 6),
+])
+def test_best_is_the_highest_score_of_checkpointed_weights(tmp_path, monkeypatch, overrides, scores, best, latest):
+    run, ev, _ = _loop(tmp_path, monkeypatch, ["train.num_steps=7", "checkpoint.keep_best=h/avg@1",
+                                               "checkpoint.keep_last=1", *overrides], scores)
+    root = run.checkpointer.root
+    assert (root / "best").read_text() == str(best)
+    assert json.loads((root / "best.json").read_text()) == {"step": best, "metric": "h/avg@1", "value": scores[best]}
+    assert _saved(run) == sorted({best, latest})  # keep_last=1 spares the best besides the latest, no other
+
+
+def test_a_pending_score_waits_for_its_own_checkpoint_and_ignores_others(tmp_path):
+    best = BestCheckpoint(tmp_path, "h/avg@1")
+    best.scored(4, {"eval/h/avg@1": 0.9}, latest_step=2)  # checkpoint 4 not written yet
+    best.saved(3)
+    assert best.step is None
+    best.saved(4)
+    assert best.step == 4 and (tmp_path / "best").read_text() == "4"
+    best.saved(4)  # a second publish of the same step does not re-score it
+    best.scored(0, {"eval/h/avg@1": 5.0}, latest_step=0)  # at_start: no checkpoint 0 exists
+    best.saved(0)
+    assert best.step == 4
+
+
+def test_a_record_of_another_metric_is_not_continued(tmp_path):
+    BestCheckpoint(tmp_path, "h/avg@1").scored(2, {"eval/h/avg@1": 0.9}, latest_step=2)
+    other = BestCheckpoint(tmp_path, "h/pass@1")
+    assert other.best is None
+    other.scored(4, {"eval/h/pass@1": 0.1}, latest_step=4)
+    assert json.loads((tmp_path / "best.json").read_text()) == {"step": 4, "metric": "h/pass@1", "value": 0.1}
+    same = BestCheckpoint(tmp_path, "h/pass@1")
+    same.scored(6, {"eval/h/pass@1": 0.1}, latest_step=6)  # a tie with the resumed record
+    assert same.step == 4
+
+
+class _Run(SimpleNamespace):
+    pass
+
+
+def _ckpt_run(updates: int):
+    actor = _Actor()
+    actor.updates = updates
+    return _Run(parallel=SimpleNamespace(rank=0, world_size=1), actor=actor,
+                loader=SimpleNamespace(state_dict=lambda: {"pos": updates}, load_state_dict=lambda s: None),
+                controller=SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None),
+                sync=SimpleNamespace(version=updates + 1))
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+
+
+@pytest.mark.parametrize("keep, saves, marked, left", [
+    (3, [1, 2, 3], None, [1, 2, 3]),  # exactly N: none deleted
+    (3, [1, 2, 3, 4], None, [2, 3, 4]),  # N + 1: only the oldest
+    (2, [1, 2, 3, 4], 4, [3, 4]),  # best among the newest: nothing extra kept
+    (2, [1, 2, 3, 4], 1, [1, 3, 4]),
+    (1, [999_999, 1_000_000], None, [1_000_000]),  # seven digits sort after six
+    (5, [7], None, [7]),
+])
+def test_retention_keeps_the_n_newest_complete_checkpoints(tmp_path, keep, saves, marked, left):
+    root = tmp_path / "c"
+    if marked is not None:
+        root.mkdir()
+        (root / "best").write_text(str(marked))
+    ckpt = Checkpointer(root, keep_last=keep)
+    for s in saves:
+        ckpt.save(_ckpt_run(s), s)
+    assert _steps(root) == [f"step_{s:06d}" for s in left]
+    assert ckpt.latest_step() == saves[-1] and ckpt.complete_steps() == left
+
+
+def test_resume_reads_the_folder_latest_names_not_the_newest(tmp_path):
+    ckpt = Checkpointer(tmp_path / "c")
+    for s in (1, 2, 3):
+        ckpt.save(_ckpt_run(s), s)
+    (ckpt.root / "latest").write_text("2\n")  # killed after step 3's rename, before `latest` moved
+    fresh = _ckpt_run(0)
+    assert ckpt.load_latest(fresh) == 2
+    assert fresh.actor.updates == 2 and fresh.sync.version == 2  # saved version 3, re-published at start
+    assert Checkpointer(tmp_path / "c", keep_last=1).prune() == [1]  # the newest and the one `latest` names stay
+    ckpt.save(_ckpt_run(30), 3)  # the resumed run redoes step 3: its folder is replaced, not merged
+    assert json.loads((ckpt.root / "step_000003" / "model" / "weights.json").read_text()) == 30
