@@ -3,7 +3,7 @@ char tokenizer, reward runner and collectives, around a scripted engine and a to
 
 The engine answers prompt "<digits>=" with one sample per digit d (n = number of digits): response
 text d * (j + 1) for sample j (lengths 1..n), the toy actor's log-probs as rollout log-probs, finish reason
-"length" when the response reaches rollout.max_new_tokens. The reward `first_digit` scores a
+"length" when the response reaches rollout.max_new_tokens (`short`: every response is its one digit). The reward `first_digit` scores a
 response by its first digit, so a prompt's digits are its group's rewards.
 
 The toy actor stands in for MegatronActor at its two calls (actor/actor.py): compute_logprobs(batch,
@@ -38,6 +38,7 @@ def toy_logprobs(tokens: torch.Tensor) -> torch.Tensor:
 class ScriptedEngine:
     def __init__(self, tokenizer, max_new_tokens: int):
         self.tokenizer, self.max_new_tokens, self.calls = tokenizer, max_new_tokens, []
+        self.short = False  # True: every response is its one digit (length 1)
 
     def generate(self, prompt_ids, sampling):
         self.calls.append((prompt_ids, sampling))
@@ -46,7 +47,7 @@ class ScriptedEngine:
             digits = self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("=")
             assert len(digits) == sampling.n, (digits, sampling.n)
             for j, d in enumerate(digits):
-                response = self.tokenizer(d * (j + 1), add_special_tokens=False)["input_ids"]
+                response = self.tokenizer(d * (1 if self.short else j + 1), add_special_tokens=False)["input_ids"]
                 rollout_lp = toy_logprobs(torch.tensor(response)).tolist()  # the trainer's: no mismatch
                 out.append(Sample(i, list(ids), response, rollout_lp,
                                   "length" if len(response) >= self.max_new_tokens else "stop"))
