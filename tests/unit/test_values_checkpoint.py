@@ -4,13 +4,14 @@ score becomes `best` (only checkpointed weights compete; a tie keeps the earlier
 exact boundaries (N complete folders, `best` or `latest` among the newest, step numbers past six
 digits), and resume reading the folder `latest` names even when a newer complete one exists.
 
-The loop runs for real (train._train) around stand-ins for the trainer and the engine: a step, an
-evaluation and a save write small files; the Checkpointer, BestCheckpoint, Run.save_due, the
-evaluator's schedule and the loop's order are the real ones. Expected values are by hand."""
+The loop runs for real (train._train) around stand-ins for the trainer and the engine
+(tests/doubles/toy_loop.py); the Checkpointer, BestCheckpoint, Run.save_due, the evaluator's schedule
+and the loop's order are the real ones. Expected values are by hand."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,89 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl import train
-from megatron_rl.config import load_config
-from megatron_rl.loop import build, evaluate
 from megatron_rl.loop.best import BestCheckpoint
 from megatron_rl.loop.checkpoint import Checkpointer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
+from toy_loop import ToyActor, run_loop  # noqa: E402
+
 pytestmark = pytest.mark.timeout(60)
-
-
-class _Actor:
-    """The trainer's 'weights' are the number of updates so far; a save writes them."""
-
-    def __init__(self):
-        self.updates, self.lr = 0, 1e-6
-        self.scheduler = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
-
-    def save_checkpoint(self, folder: Path, async_save: bool = False):
-        (folder / "weights.json").write_text(json.dumps(self.updates))
-
-    def load_checkpoint(self, folder: Path) -> None:
-        self.updates = json.loads((folder / "weights.json").read_text())
-
-
-class _Logger:
-    def __init__(self):
-        self.history, self.logged = [], []
-
-    def log(self, step, metrics):
-        self.logged.append((step, dict(metrics)))
-
-    def close(self):
-        pass
-
-    def summary(self):
-        return ""
-
-
-class _Evaluator(evaluate.Evaluator):
-    """The real schedule (due); evaluate() returns the score table's value for the weights it is
-    given and records which weights it scored."""
-
-    def __init__(self, run, scores):
-        super().__init__(run, [])
-        self.scores, self.scored = scores, []
-
-    def evaluate(self, step, memory=None, dump_dir=None):
-        self.scored.append(step)
-        assert step == self.run.actor.updates, "the eval must score the weights the engine holds"
-        return {"eval/h/avg@1": self.scores.get(step, 0.0)}
-
-    def close(self):
-        pass
-
-
-def _loop(tmp_path, monkeypatch, overrides, scores=None):
-    """Run train._train; returns (run, evaluator, steps trained)."""
-    cfg = load_config(None, [f"log.dir={tmp_path}", "checkpoint.resume=false", "train.colocated_protocol=false",
-                             "log.plot=false", "eval.datasets=[{name: h, task: sort}]", *overrides])
-    actor, stepped = _Actor(), []
-    run = build.Run(cfg, SimpleNamespace(rank=0, tp_rank=0, pp_rank=0, world_size=1), None,
-                    SimpleNamespace(state_dict=lambda: {}), actor, None,
-                    SimpleNamespace(transport=None, wait_for_owners=False, wait_group=None, version=0,
-                                    sync=lambda: {}, close=lambda: None),
-                    SimpleNamespace(close=lambda: None), SimpleNamespace(state_dict=lambda: {}), _Logger(),
-                    Checkpointer(Path(cfg.log.dir) / "checkpoints", keep_last=cfg.checkpoint.keep_last))
-    holder = {}
-
-    def step(run_, step, memory):
-        assert actor.updates == step
-        actor.updates += 1
-        stepped.append(step)
-        return {}
-
-    def make_evaluator(run_):
-        holder["e"] = _Evaluator(run_, scores or {})
-        return holder["e"]
-
-    monkeypatch.setattr(train, "job_cluster", lambda: None)
-    monkeypatch.setattr(train.build, "build_run", lambda cfg: run)
-    monkeypatch.setattr(train.evaluate.Evaluator, "build", staticmethod(make_evaluator))
-    monkeypatch.setattr(train, "_step", step)
-    train._train(cfg)
-    return run, holder["e"], stepped
 
 
 def _saved(run) -> list[int]:
@@ -122,7 +47,7 @@ def _expected_evals(num_steps, every, at_start, at_end):
 def test_the_loop_saves_and_evaluates_exactly_the_documented_steps(tmp_path_factory, num_steps, save_every, save_final,
                                                                    eval_every, at_start, at_end):
     with pytest.MonkeyPatch.context() as mp:  # one per example: function fixtures are not reset between them
-        run, ev, stepped = _loop(tmp_path_factory.mktemp("loop"), mp, [
+        run, ev, stepped = run_loop(tmp_path_factory.mktemp("loop"), mp, [
             f"train.num_steps={num_steps}", f"checkpoint.save_every={save_every}",
             f"checkpoint.save_final={str(save_final).lower()}", "checkpoint.keep_last=0", f"eval.every={eval_every}",
             f"eval.at_start={str(at_start).lower()}", f"eval.at_end={str(at_end).lower()}"])
@@ -147,7 +72,7 @@ def test_the_loop_saves_and_evaluates_exactly_the_documented_steps(tmp_path_fact
     (["eval.every=2", "checkpoint.save_every=2", "checkpoint.save_final=false"], {2: 0.1, 4: 0.2, 6: 0.3}, 6, 6),
 ])
 def test_best_is_the_highest_score_of_checkpointed_weights(tmp_path, monkeypatch, overrides, scores, best, latest):
-    run, ev, _ = _loop(tmp_path, monkeypatch, ["train.num_steps=7", "checkpoint.keep_best=h/avg@1",
+    run, ev, _ = run_loop(tmp_path, monkeypatch, ["train.num_steps=7", "checkpoint.keep_best=h/avg@1",
                                                "checkpoint.keep_last=1", *overrides], scores)
     root = run.checkpointer.root
     assert (root / "best").read_text() == str(best)
@@ -184,7 +109,7 @@ class _Run(SimpleNamespace):
 
 
 def _ckpt_run(updates: int):
-    actor = _Actor()
+    actor = ToyActor()
     actor.updates = updates
     return _Run(parallel=SimpleNamespace(rank=0, world_size=1), actor=actor,
                 loader=SimpleNamespace(state_dict=lambda: {"pos": updates}, load_state_dict=lambda s: None),
