@@ -48,7 +48,8 @@ def _worker(rank: int, world_size: int) -> dict:
     rows = [run.tokenizer.decode(t, skip_special_tokens=True) for t, m in zip(batch["tokens"], batch["loss_mask"])
             if m.sum() > 0]
     return {"metrics": rollout.metrics, "rows": rows, "num_rows": int(batch["tokens"].shape[0]),
-            "adv_sum": float((batch["advantages"] * batch["loss_mask"]).sum()), "tokens": float(batch["loss_mask"].sum()),
+            "adv_sum": float((batch["advantages"] * batch["loss_mask"]).sum()),
+            "tokens": float(batch["loss_mask"].sum()),
             "loss": call["loss"], "pg_loss": out["pg_loss"], "rounds": len(run.engine.calls)}
 
 
@@ -78,7 +79,8 @@ def test_the_loss_of_each_rank_is_over_both_ranks_tokens(ranks):
     total = sum(r["tokens"] for r in ranks)
     for r in ranks:
         assert r["loss"] == pytest.approx(-r["adv_sum"] / total, abs=1e-6)  # at ratio 1: -A per token
-    assert ranks[0]["pg_loss"] == ranks[1]["pg_loss"] == pytest.approx(-sum(r["adv_sum"] for r in ranks) / total, abs=1e-6)
+    both = -sum(r["adv_sum"] for r in ranks) / total
+    assert ranks[0]["pg_loss"] == ranks[1]["pg_loss"] == pytest.approx(both, abs=1e-6)
 
 
 def test_rollout_metrics_are_over_both_ranks_responses(ranks):

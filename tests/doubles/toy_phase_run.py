@@ -2,9 +2,10 @@
 char tokenizer, reward runner and collectives, around a scripted engine and a toy actor.
 
 The engine answers prompt "<digits>=" with one sample per digit d (n = number of digits): response
-text d * (j + 1) for sample j (lengths 1..n), the toy actor's log-probs as rollout log-probs, finish reason
-"length" when the response reaches rollout.max_new_tokens (`short`: every response is its one digit). The reward `first_digit` scores a
-response by its first digit, so a prompt's digits are its group's rewards.
+text d * (j + 1) for sample j (lengths 1..n; `short`: every response is its one digit), the toy
+actor's log-probs as rollout log-probs, finish reason "length" when the response reaches
+rollout.max_new_tokens. The reward `first_digit` scores a response by its first digit, so a prompt's
+digits are its group's rewards.
 
 The toy actor stands in for MegatronActor at its two calls (actor/actor.py): compute_logprobs(batch,
 micro_batch_size=, with_entropy=, fp8=, logprob_chunk_size=) -> {"logprobs": [B, S]}, and

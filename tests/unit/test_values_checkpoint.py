@@ -152,3 +152,19 @@ def test_resume_reads_the_folder_latest_names_not_the_newest(tmp_path):
     assert Checkpointer(tmp_path / "c", keep_last=1).prune() == [1]  # the newest and the one `latest` names stay
     ckpt.save(_ckpt_run(30), 3)  # the resumed run redoes step 3: its folder is replaced, not merged
     assert json.loads((ckpt.root / "step_000003" / "model" / "weights.json").read_text()) == 30
+
+
+def test_two_folders_of_one_step_number_are_one_checkpoint_and_a_leftover_tmp_is_spared(tmp_path):
+    root = tmp_path / "c"
+    ckpt = Checkpointer(root, keep_last=1)
+    for s in (10, 20):
+        ckpt.save(_ckpt_run(s), s)
+    # the same step number under another spelling (copied by hand, or by an older release): not the
+    # folder load_latest reads, so neither counted nor deleted
+    (root / "step_000020").rename(root / "step_20")
+    ckpt.save(_ckpt_run(20), 20)  # and a re-save of step 20 (a resumed run redoing it)
+    (root / "step_000030.tmp").mkdir()  # a killed save of the next step
+    assert ckpt.complete_steps() == [20]
+    ckpt.save(_ckpt_run(30), 30)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_000030", "step_20"]
+    assert ckpt.complete_steps() == [30] and ckpt.latest_step() == 30

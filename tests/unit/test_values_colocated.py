@@ -57,8 +57,8 @@ def _one_step(monkeypatch, rolled: bool, kept: bool, enabled: bool, step_before:
         memory.after_sync()
         calls.clear()
     seen_lr = []
-    monkeypatch.setattr(phases, "generate", lambda run, prompts, step: phases.Rollout({"rows": 1} if rolled else None,
-                                                                                     {"step/skipped": float(not rolled)}))
+    rollout = phases.Rollout({"rows": 1} if rolled else None, {"step/skipped": float(not rolled)})
+    monkeypatch.setattr(phases, "generate", lambda run, prompts, step: rollout)
     monkeypatch.setattr(phases, "prepare", lambda run, batch, step, metrics, memory=None: batch if kept else None)
 
     def update(run, batch, step):

@@ -69,7 +69,8 @@ GROUPS = ["1100", "3010", "2222", "0123", "4001"]  # one group without variance 
 @given(st.integers(1, 4), st.integers(1, 2), st.sampled_from([1, 3, 8]),
        st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]))
 def test_each_update_gets_its_mini_batchs_rows_and_a_loss_over_that_mini_batch(num_mb, epochs, mbs, mode):
-    cfg = _cfg("rollout.n_samples_per_prompt=4", f"data.prompts_per_step={len(GROUPS)}", f"train.num_mini_batches={num_mb}",
+    cfg = _cfg("rollout.n_samples_per_prompt=4", f"data.prompts_per_step={len(GROUPS)}",
+               f"train.num_mini_batches={num_mb}",
                f"train.ppo_epochs={epochs}", f"train.micro_batch_size={mbs}", f"algo.loss_agg_mode={mode}")
     run = toy_run(cfg)
     try:
