@@ -21,11 +21,23 @@ from megatron_rl.loop import phases
 from megatron_rl.loop.batch import mini_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
-from toy_phase_run import prompts, toy_run  # noqa: E402
+from toy_phase_run import first_digit, prompts, toy_run  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
 BASE = ["calib.enabled=false", "rollout.max_new_tokens=4"]
+RUNNER = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_reward_pool():
+    """One reward worker for the module (a fork per hypothesis example costs more than the test)."""
+    global RUNNER
+    from megatron_rl.rewards.runner import RewardRunner
+
+    RUNNER = RewardRunner(first_digit, timeout_s=30.0)
+    yield
+    RUNNER.close()
 
 
 def _cfg(*overrides):
@@ -72,14 +84,11 @@ def test_each_update_gets_its_mini_batchs_rows_and_a_loss_over_that_mini_batch(n
     cfg = _cfg("rollout.n_samples_per_prompt=4", f"data.prompts_per_step={len(GROUPS)}",
                f"train.num_mini_batches={num_mb}",
                f"train.ppo_epochs={epochs}", f"train.micro_batch_size={mbs}", f"algo.loss_agg_mode={mode}")
-    run = toy_run(cfg)
-    try:
-        rollout = phases.generate(run, prompts(run.tokenizer, GROUPS), step=3)
-        metrics = dict(rollout.metrics)
-        batch = phases.prepare(run, rollout.batch, 3, metrics)
-        out = phases.update_policy(run, batch, 3)
-    finally:
-        run.rewards.close()
+    run = toy_run(cfg, rewards=RUNNER)
+    rollout = phases.generate(run, prompts(run.tokenizer, GROUPS), step=3)
+    metrics = dict(rollout.metrics)
+    batch = phases.prepare(run, rollout.batch, 3, metrics)
+    out = phases.update_policy(run, batch, 3)
     calls, rows = run.actor.calls, 4 * len(GROUPS)
     assert len(calls) == epochs * num_mb
     sizes = [rows // num_mb + (i < rows % num_mb) for i in range(num_mb)]  # near-equal parts, larger first
@@ -120,11 +129,8 @@ def _by_prompt(batch, tokenizer) -> dict[str, list[float]]:
 
 
 def test_generate_metrics_are_over_every_response_of_groups_of_different_rewards_and_lengths():
-    run = toy_run(_cfg("rollout.n_samples_per_prompt=4", "data.prompts_per_step=3"))
-    try:
-        rollout = phases.generate(run, prompts(run.tokenizer, ["1100", "2222", "0123"]), step=0)
-    finally:
-        run.rewards.close()
+    run = toy_run(rewards=RUNNER, cfg=_cfg("rollout.n_samples_per_prompt=4", "data.prompts_per_step=3"))
+    rollout = phases.generate(run, prompts(run.tokenizer, ["1100", "2222", "0123"]), step=0)
     rewards = [1, 1, 0, 0, 2, 2, 2, 2, 0, 1, 2, 3]
     mean = sum(rewards) / 12
     m = rollout.metrics
@@ -143,16 +149,14 @@ def test_generate_metrics_are_over_every_response_of_groups_of_different_rewards
 
 def test_refill_trains_the_first_kept_groups_of_each_round_up_to_the_target():
     # round 0 keeps one informative group of 3; round 1 keeps three, of which two reach the target
-    run = toy_run(_cfg("rollout.n_samples_per_prompt=3", "data.prompts_per_step=3", "algo.dynamic_sampling=true",
-                       "algo.max_gen_batches=4", "train.num_mini_batches=1", "train.micro_batch_size=4"))
+    run = toy_run(rewards=RUNNER, cfg=_cfg("rollout.n_samples_per_prompt=3", "data.prompts_per_step=3",
+                                           "algo.dynamic_sampling=true", "algo.max_gen_batches=4",
+                                           "train.num_mini_batches=1", "train.micro_batch_size=4"))
     run.loader.batches = [prompts(run.tokenizer, ["201", "030", "102"], start=3)]
-    try:
-        rollout = phases.generate(run, prompts(run.tokenizer, ["000", "120", "333"]), step=5)
-        metrics = dict(rollout.metrics)
-        batch = phases.prepare(run, rollout.batch, 5, metrics)
-        phases.update_policy(run, batch, 5)
-    finally:
-        run.rewards.close()
+    rollout = phases.generate(run, prompts(run.tokenizer, ["000", "120", "333"]), step=5)
+    metrics = dict(rollout.metrics)
+    batch = phases.prepare(run, rollout.batch, 5, metrics)
+    phases.update_policy(run, batch, 5)
     m = rollout.metrics
     assert (m["dapo/gen_batches"], m["dapo/kept_groups"], m["dapo/kept_fraction"]) == (2.0, 3.0, 1.0)
     assert m["dynamic_sampling/kept_frac"] == pytest.approx(12 / 18)  # 1 + 3 informative groups of 6, before trimming
@@ -172,11 +176,9 @@ def test_refill_trains_the_first_kept_groups_of_each_round_up_to_the_target():
 
 
 def test_a_round_that_keeps_more_than_needed_fills_the_target_and_no_more():
-    run = toy_run(_cfg("rollout.n_samples_per_prompt=2", "data.prompts_per_step=2", "algo.dynamic_sampling=true"))
-    try:
-        rollout = phases.generate(run, prompts(run.tokenizer, ["10", "01"]), step=0)  # both informative
-    finally:
-        run.rewards.close()
+    run = toy_run(rewards=RUNNER, cfg=_cfg("rollout.n_samples_per_prompt=2", "data.prompts_per_step=2",
+                                           "algo.dynamic_sampling=true"))
+    rollout = phases.generate(run, prompts(run.tokenizer, ["10", "01"]), step=0)  # both informative
     assert rollout.metrics["dapo/gen_batches"] == 1.0 and rollout.metrics["dapo/kept_fraction"] == 1.0
     assert sorted(_by_prompt(rollout.batch, run.tokenizer)) == ["01", "10"]
 
@@ -190,7 +192,7 @@ def test_mini_batches_are_near_equal_and_never_empty(rows, parts, sizes):
 
 
 def test_non_finite_old_log_probs_count_on_response_tokens_only():
-    run = toy_run(_cfg())
+    run = toy_run(rewards=RUNNER, cfg=_cfg())
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]])
     old = torch.zeros(2, 4)
     old[0, 0] = float("nan")  # a prompt position: not counted
@@ -201,4 +203,61 @@ def test_non_finite_old_log_probs_count_on_response_tokens_only():
     ref[1, 0] = float("nan")  # prompt again
     batch = {"loss_mask": mask, "old_logprobs": old, "ref_logprobs": ref}
     assert phases._count_nonfinite(run, batch) == 3.0
-    run.rewards.close()
+
+
+def _advantages_reference(groups: list[list[float]], lengths: list[list[int]], estimator: str) -> list[float]:
+    """Per sample, by the formulas of docs/algo.md, over the groups that are trained."""
+    out = []
+    if estimator == "reinforce_plus_plus_baseline":  # group mean off, then whitened over every token
+        centred = [r - sum(g) / len(g) for g in groups for r in g]
+        counts = [float(n) for ls in lengths for n in ls]
+        total = sum(counts)
+        mu = sum(n * c for n, c in zip(counts, centred)) / total
+        var = (sum(n * c * c for n, c in zip(counts, centred)) - total * mu * mu) / (total - 1)
+        return [(c - mu) / math.sqrt(max(var, 0.0) + 1e-8) for c in centred]
+    for g in groups:
+        n, mean = len(g), sum(g) / len(g)
+        if estimator == "grpo":
+            out += _grpo(g)
+        elif estimator == "dr_grpo":
+            out += [r - mean for r in g]
+        else:  # rloo
+            out += [r - (sum(g) - r) / (n - 1) for r in g]
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.text("0123", min_size=3, max_size=3), min_size=4, max_size=4),
+       st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]), st.booleans(),
+       st.sampled_from([(0, 1.0), (2, 1.0), (4, 0.5)]))
+def test_advantages_of_the_trained_rows_for_every_estimator_x_dynamic_sampling_x_overlong(groups, estimator, dapo,
+                                                                                         overlong):
+    buffer, factor = overlong
+    run = toy_run(rewards=RUNNER, cfg=_cfg(
+        "rollout.n_samples_per_prompt=3", "data.prompts_per_step=4", f"algo.advantage_estimator={estimator}",
+        f"algo.dynamic_sampling={str(dapo).lower()}", "algo.max_gen_batches=1", f"algo.overlong_buffer_len={buffer}",
+        f"algo.overlong_penalty_factor={factor}"))
+    rollout = phases.generate(run, prompts(run.tokenizer, groups), step=0)
+    lengths = [1, 2, 3]  # the scripted engine's, sample j has j + 1 tokens; max_new_tokens = 4
+
+    def shaped(digit: str, length: int) -> float:
+        if not buffer:
+            return float(digit)
+        return float(digit) - min(max(length - (4 - buffer), 0), buffer) / buffer * factor
+
+    rewards = [[shaped(d, n) for d, n in zip(g, lengths)] for g in groups]
+    kept = [i for i, r in enumerate(rewards) if not dapo or len(set(r)) > 1]
+    m = rollout.metrics
+    assert m["reward/overlong_penalty"] == pytest.approx(sum(sum(r) for r in rewards) / 12
+                                                         - sum(int(d) for g in groups for d in g) / 12, abs=1e-6)
+    if not kept:
+        assert rollout.batch is None and m["step/skipped"] == 1.0
+        return
+    batch = rollout.batch
+    mask = batch["loss_mask"]
+    assert batch["tokens"].shape[0] == 3 * len(kept)
+    got = ((batch["advantages"] * mask).sum(1) / mask.sum(1)).tolist()
+    expected = _advantages_reference([rewards[i] for i in kept], [lengths] * len(kept), estimator)
+    assert got == pytest.approx(expected, abs=1e-4)
+    if dapo:
+        assert m["dapo/kept_groups"] == len(kept) and m["dapo/kept_fraction"] == len(kept) / 4
