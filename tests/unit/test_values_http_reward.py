@@ -119,6 +119,7 @@ def test_the_backoff_slept_doubles_from_retry_backoff_s(server, monkeypatch):
     monkeypatch.setattr(http_mod, "time", SimpleNamespace(sleep=slept.append))  # the client's sleeps only
     assert HttpReward(s.url, timeout_s=5.0, max_retries=3, backoff_s=0.3)(["ab", "c"], ["", ""]) == [2.0, 1.0]
     assert slept == [0.3, 0.6, 1.2] and len(s.bodies) == 4
+    assert HttpReward(s.url, timeout_s=2.0, max_retries=0, backoff_s=0.3).max_budget_s() == 2.0  # no retry, no sleep
 
 
 def test_each_caller_gets_its_own_rewards_when_replies_come_back_out_of_order(server):
