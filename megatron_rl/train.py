@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -85,8 +86,13 @@ def _train(cfg: RunConfig) -> dict[str, float]:
 
 
 def _best_checkpoint(run_: build.Run):
+    """checkpoint.keep_best's record; its source is the eval set's settings (config checks the name)."""
     keep = run_.cfg.checkpoint.keep_best
-    return BestCheckpoint(run_.checkpointer.root, keep, enabled=run_.is_log_rank) if keep else None
+    if not keep:
+        return None
+    name = keep.split("/", 1)[0]
+    source = next(asdict(d) for d in run_.cfg.eval.datasets if d.name == name)
+    return BestCheckpoint(run_.checkpointer.root, keep, enabled=run_.is_log_rank, source=source)
 
 
 def _evaluate(run_: build.Run, evaluator, best, step: int, weights_step: int, memory) -> dict[str, float]:

@@ -76,7 +76,9 @@ def test_best_is_the_highest_score_of_checkpointed_weights(tmp_path, monkeypatch
                                                "checkpoint.keep_last=1", *overrides], scores)
     root = run.checkpointer.root
     assert (root / "best").read_text() == str(best)
-    assert json.loads((root / "best.json").read_text()) == {"step": best, "metric": "h/avg@1", "value": scores[best]}
+    state = json.loads((root / "best.json").read_text())
+    assert (state["step"], state["metric"], state["value"]) == (best, "h/avg@1", scores[best])
+    assert (state["source"]["name"], state["source"]["task"]) == ("h", "sort")  # the eval set it was measured on
     assert _saved(run) == sorted({best, latest})  # keep_last=1 spares the best besides the latest, no other
 
 
@@ -168,3 +170,31 @@ def test_two_folders_of_one_step_number_are_one_checkpoint_and_a_leftover_tmp_is
     ckpt.save(_ckpt_run(30), 30)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_000030", "step_20"]
     assert ckpt.complete_steps() == [30] and ckpt.latest_step() == 30
+
+
+@pytest.mark.parametrize("change, continued", [
+    ([], True),  # the same eval set: the resumed run keeps comparing with the record
+    (["eval.every=3"], True),  # the schedule is not what is measured
+    (["eval.datasets=[{name: h, task: sort, max_examples: 8}]"], False),  # same name, other problems
+    (["eval.datasets=[{name: h, task: reverse}]"], False),
+    (["eval.datasets=[{name: h, task: sort, temperature: 0.7}]"], False),
+])
+def test_a_resumed_record_is_continued_only_for_the_same_eval_set_not_the_same_name(tmp_path, monkeypatch, change,
+                                                                                     continued):
+    common = ["checkpoint.keep_best=h/avg@1", "checkpoint.save_every=2", "eval.every=2", "train.num_steps=4"]
+    run_loop(tmp_path, monkeypatch, common, {2: 0.9, 4: 0.1})
+    root = tmp_path / "checkpoints"
+    assert (root / "best").read_text() == "2"
+    # the relaunch trains 4 more steps; its scores (0.5 at step 6) are below the old set's 0.9
+    with pytest.MonkeyPatch.context() as mp:
+        run_loop(tmp_path, mp, [*common, "train.num_steps=8", "checkpoint.resume=true", *change],
+                 {4: 0.2, 6: 0.5, 8: 0.3})
+    assert (root / "best").read_text() == ("2" if continued else "6")
+
+
+def test_a_record_written_before_sources_were_kept_is_continued(tmp_path):
+    (tmp_path / "best.json").write_text(json.dumps({"step": 2, "metric": "h/avg@1", "value": 0.9}))
+    best = BestCheckpoint(tmp_path, "h/avg@1", source={"name": "h", "task": "sort"})
+    assert best.step == 2
+    best.scored(4, {"eval/h/avg@1": 0.5}, latest_step=4)
+    assert best.step == 2
