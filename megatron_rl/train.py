@@ -79,9 +79,7 @@ def _train(cfg: RunConfig) -> dict[str, float]:
         if evaluator is not None:
             evaluator.close()
     if best is not None:  # an async save is published by finish()
-        before = best.step
-        best.saved(run_.checkpointer.latest_step())
-        _prune_if_best_moved(run_, best, before)
+        _update_best(run_, best, lambda: best.saved(run_.checkpointer.latest_step()))
     return metrics
 
 
@@ -99,15 +97,16 @@ def _evaluate(run_: build.Run, evaluator, best, step: int, weights_step: int, me
     """Eval metrics of the engine's weights (those after `weights_step` updates); they join `step`'s."""
     scores = evaluator.evaluate(weights_step, memory, dump_dir=Path(run_.cfg.log.dir) / "eval_samples")
     if best is not None:
-        before = best.step
-        best.scored(weights_step, scores, run_.checkpointer.latest_step())
-        _prune_if_best_moved(run_, best, before)
+        _update_best(run_, best, lambda: best.scored(weights_step, scores, run_.checkpointer.latest_step()))
     return scores
 
 
-def _prune_if_best_moved(run_: build.Run, best, before: int | None) -> None:
-    """A new `best` frees the checkpoint the old one named: the last publish pruned while that one was
-    still spared, and the run may save no more (the at_end evaluation pairs with the final save)."""
+def _update_best(run_: build.Run, best: BestCheckpoint, update) -> None:
+    """Run `update` (a BestCheckpoint call). A new `best` frees the checkpoint the old one named: the
+    last publish pruned while that one was still spared, and the run may save no more (the at_end
+    evaluation pairs with the final save), so retention runs again at once."""
+    before = best.step
+    update()
     if best.step != before and run_.is_log_rank and run_.checkpointer.keep_last:
         run_.checkpointer.prune()
 
@@ -142,9 +141,7 @@ def _save(run_: build.Run, step: int, memory: ColocatedMemory, best) -> None:
         if run_.hf_export_due(step):
             run_.export_hf(step)
     if best is not None:
-        before = best.step
-        best.saved(run_.checkpointer.latest_step())
-        _prune_if_best_moved(run_, best, before)
+        _update_best(run_, best, lambda: best.saved(run_.checkpointer.latest_step()))
 
 
 def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:
