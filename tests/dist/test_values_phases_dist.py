@@ -2,7 +2,8 @@
 first generation round only rank 1 holds informative groups (both ranks must still sample a second
 round, and agree on what each trains); rank 0 then trains fewer groups and pads with masked rows;
 every update's loss is divided by the count over BOTH ranks; the rollout metrics are over both
-ranks' responses, the longest response the maximum (not the sum) of the two. The scripted engine
+ranks' responses, the longest response the maximum (not the sum) of the two; calibrated bounds one
+ulp apart on one rank of a model-parallel group stop every rank of it. The scripted engine
 and toy actor are tests/doubles/toy_phase_run.py; expected values are by hand."""
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def _worker(rank: int, world_size: int, log_dir: str) -> dict:
     from megatron_rl import collectives
     from megatron_rl.config import load_config
     from megatron_rl.loop import phases
+    import math
+    from types import SimpleNamespace
+
     from toy_phase_run import prompts, toy_parallel, toy_run
 
     dist.init_process_group("gloo")
@@ -65,6 +69,17 @@ def _worker(rank: int, world_size: int, log_dir: str) -> dict:
         run.rewards.close()
     mask = rollout.batch["loss_mask"]
     result["rpp"] = ((rollout.batch["advantages"] * mask).sum(1) / mask.sum(1)).tolist()
+    # (L, H) compared over a model-parallel group of the 2 ranks: one ulp off on rank 1 alone
+    mp = SimpleNamespace(tp_size=2, pp_size=1, mp_group=None)
+    verdicts = []
+    for apart in (False, True):
+        bounds = (0.8, math.nextafter(1.2, 2.0) if apart and rank == 1 else 1.2)
+        try:
+            phases.assert_same_across_model_parallel(bounds, mp)
+            verdicts.append("same")
+        except RuntimeError as err:
+            verdicts.append(str(err))
+    result["bounds"] = verdicts
     return result
 
 
@@ -143,3 +158,10 @@ def test_the_dump_and_the_batch_whiten_over_both_ranks_and_only_rank_0_writes(ra
     records = [json.loads(line) for line in dump.read_text().splitlines()]
     assert [r["response"] for r in records] == ["1", "22", "000", "2", "00", "111"]  # rank 0's shard
     assert [r["advantage"] for r in records] == pytest.approx(expected[0], abs=1e-5)
+
+
+def test_bounds_one_ulp_apart_on_one_rank_fail_every_rank_of_the_replica(ranks):
+    ranks, _ = ranks
+    for r in ranks:
+        assert r["bounds"][0] == "same"
+        assert r["bounds"][1].startswith("calibrated (L, H) differ across the model-parallel group")
