@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -78,21 +79,36 @@ def _train(cfg: RunConfig) -> dict[str, float]:
         if evaluator is not None:
             evaluator.close()
     if best is not None:  # an async save is published by finish()
-        best.saved(run_.checkpointer.latest_step())
+        _update_best(run_, best, lambda: best.saved(run_.checkpointer.latest_step()))
     return metrics
 
 
 def _best_checkpoint(run_: build.Run):
+    """checkpoint.keep_best's record; its source is the eval set's settings (config checks the name)."""
     keep = run_.cfg.checkpoint.keep_best
-    return BestCheckpoint(run_.checkpointer.root, keep, enabled=run_.is_log_rank) if keep else None
+    if not keep:
+        return None
+    name = keep.split("/", 1)[0]
+    source = next(asdict(d) for d in run_.cfg.eval.datasets if d.name == name)
+    return BestCheckpoint(run_.checkpointer.root, keep, enabled=run_.is_log_rank, source=source)
 
 
 def _evaluate(run_: build.Run, evaluator, best, step: int, weights_step: int, memory) -> dict[str, float]:
     """Eval metrics of the engine's weights (those after `weights_step` updates); they join `step`'s."""
     scores = evaluator.evaluate(weights_step, memory, dump_dir=Path(run_.cfg.log.dir) / "eval_samples")
     if best is not None:
-        best.scored(weights_step, scores, run_.checkpointer.latest_step())
+        _update_best(run_, best, lambda: best.scored(weights_step, scores, run_.checkpointer.latest_step()))
     return scores
+
+
+def _update_best(run_: build.Run, best: BestCheckpoint, update) -> None:
+    """Run `update` (a BestCheckpoint call). A new `best` frees the checkpoint the old one named: the
+    last publish pruned while that one was still spared, and the run may save no more (the at_end
+    evaluation pairs with the final save), so retention runs again at once."""
+    before = best.step
+    update()
+    if best.step != before and run_.is_log_rank and run_.checkpointer.keep_last:
+        run_.checkpointer.prune()
 
 
 def _stop_after(run_: build.Run, step: int, memory: ColocatedMemory) -> bool:
@@ -125,7 +141,7 @@ def _save(run_: build.Run, step: int, memory: ColocatedMemory, best) -> None:
         if run_.hf_export_due(step):
             run_.export_hf(step)
     if best is not None:
-        best.saved(run_.checkpointer.latest_step())
+        _update_best(run_, best, lambda: best.saved(run_.checkpointer.latest_step()))
 
 
 def _step(run_: build.Run, step: int, memory: ColocatedMemory) -> dict[str, float]:

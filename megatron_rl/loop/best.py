@@ -18,15 +18,18 @@ class BestCheckpoint:
     An evaluation at the top of step s scores the weights of checkpoint step_s (saved at the end of
     step s - 1); the at_end evaluation scores the weights of the final checkpoint, saved after it.
     So a score waits until its checkpoint exists (`scored` then `saved`, or `saved` then `scored`).
-    `best.json` ({"step", "metric", "value"}) is written before `best` (the step, as `latest`),
-    both atomically: a resumed run continues the comparison from it. Higher is better.
+    `best.json` ({"step", "metric", "value"}, and "source" when given) is written before `best` (the
+    step, as `latest`), both atomically: a resumed run continues the comparison from it when it
+    measures the same metric on the same `source` (the eval set's settings: a set of the same name
+    with other problems or sampling gives scores that do not compare). Higher is better.
     """
 
-    def __init__(self, root: str | Path, metric: str, enabled: bool = True) -> None:
+    def __init__(self, root: str | Path, metric: str, enabled: bool = True, source: dict | None = None) -> None:
         self.root = Path(root)
         self.metric = metric
         self.key = f"eval/{metric}"
         self.enabled = enabled
+        self.source = source
         self.best = self._load()
         self._pending: tuple[int, float] | None = None
 
@@ -38,6 +41,10 @@ class BestCheckpoint:
         if state.get("metric") != self.metric:
             log.warning("%s tracks %r, not checkpoint.keep_best=%r: starting a new record", path,
                         state.get("metric"), self.metric)
+            return None
+        if "source" in state and state["source"] != self.source:  # (older records lack it: continued)
+            log.warning("%s scored %s on another eval set than this run's (%s): starting a new record", path,
+                        self.metric, self.source)
             return None
         return state
 
@@ -62,6 +69,8 @@ class BestCheckpoint:
         if self.best is not None and value <= self.best["value"]:
             return
         self.best = {"step": step, "metric": self.metric, "value": value}
+        if self.source is not None:
+            self.best["source"] = self.source
         if self.enabled:
             self.root.mkdir(parents=True, exist_ok=True)
             write_marker(self.root / "best.json", json.dumps(self.best))

@@ -141,11 +141,13 @@ class Checkpointer:
         _barrier()
 
     def complete_steps(self) -> list[int]:
-        """Steps with a published folder (renamed from .tmp, holding rl_state.pt), ascending."""
+        """Steps with a published folder (renamed from .tmp, holding rl_state.pt), ascending. Only the
+        folder this class names a step (`step_000010`) counts: `step_10` is not what load_latest reads,
+        and counting both would make prune delete the one folder twice."""
         steps = []
         for folder in self.root.glob("step_*"):
             suffix = folder.name.removeprefix("step_")
-            if suffix.isdigit() and (folder / "rl_state.pt").exists():
+            if suffix.isdigit() and folder.name == self._dir(int(suffix)).name and (folder / "rl_state.pt").exists():
                 steps.append(int(suffix))
         return sorted(steps)
 
