@@ -261,6 +261,70 @@ def summary_table(results: list[dict], k: int) -> str:
     return "\n".join(rows)
 
 
+def _most(flags: list[bool]) -> bool:
+    """The declaration's "most": at least 2 of 3 batches, or both of 2 (more than half, and 2 at least)."""
+    return len(flags) >= 2 and sum(flags) >= max(2, len(flags) // 2 + 1)
+
+
+def verdicts(res: dict, k: int) -> dict[str, str]:
+    """The declared rules of docs/reproduction.md ("What counts") applied to one recipe's batches.
+    Only batches with A < 0 tokens count; pairs only where the scored batch has them."""
+    valid = [b for b in res["batches"] if b["step0"]["clip"]["neg_tokens"] > 0]
+    states = ("step1", f"step{k}")
+    out = {"batches": f"{len(valid)} of {len(res['batches'])} with A<0 tokens"}
+
+    def all_states(test) -> bool:
+        return all(_most([test(b[s]) for b in valid]) for s in states)
+    at_old = [b["step0"] for b in valid]
+    bf16_zero = all(r["log_r_bf16"]["std"] == 0.0 for r in at_old)
+    fp_above = [r["log_r_fp"]["std"] > 0.0 for r in at_old]
+    out["control"] = ("BF16 log r exactly 0 at theta_old" if bf16_zero else "BF16 log r NOT 0 at theta_old") + (
+        f"; recipe above 0 in {sum(fp_above)} of {len(fp_above)} (composition effect)")
+    out["claim1"] = "confirmed" if all_states(lambda r: r["log_r_fp"]["std"] > r["log_r_bf16"]["std"]) else "not confirmed"
+    if all_states(lambda r: r["clip"]["below_fp"] > r["clip"]["below_bf16"]):
+        out["claim2"] = "confirmed"
+    elif all_states(lambda r: r["clip"]["below_fp"] < r["clip"]["below_bf16"]):
+        out["claim2"] = "contradicted"
+    else:
+        out["claim2"] = "neither"
+    if all_states(lambda r: r["clip"]["false_low"] > r["clip"]["missed_low"]):
+        out["claim3"] = "confirmed as a bias"
+    elif all_states(lambda r: r["clip"]["missed_low"] > r["clip"]["false_low"]):
+        out["claim3"] = "reversed (missed exceed false)"
+    else:
+        out["claim3"] = "noise, not bias"
+    pairs = [o for o in res["calibrated_oos"] if o["calibrated"]["neg_tokens"] > 0]
+
+    def closer(o) -> bool:
+        c, d = o["calibrated"], o["default"]
+        return abs(c["below_fp"] - c["below_bf16"]) < abs(d["below_fp"] - d["below_bf16"])
+
+    def fewer(o) -> bool:
+        c, d = o["calibrated"], o["default"]
+        return c["false_low"] + c["missed_low"] < d["false_low"] + d["missed_low"]
+    better = [closer(o) and fewer(o) for o in pairs]
+    worse = [not closer(o) and not fewer(o) for o in pairs]
+    n = len(res["calibrated_oos"])
+    if _most(better):
+        out["cc_oos"] = f"better than the default L ({sum(better)} of {len(pairs)} pairs)"
+    elif _most(worse):
+        out["cc_oos"] = f"worse than the default L ({sum(worse)} of {len(pairs)} pairs)"
+    else:
+        out["cc_oos"] = (f"not decided: better in {sum(better)}, worse in {sum(worse)} of {len(pairs)} scorable "
+                         f"pairs ({n} in all)")
+    return out
+
+
+def verdict_table(results: list[dict], k: int) -> str:
+    rows = ["| recipe | batches | control at theta_old | claim 1 | claim 2 (lower) | claim 3 | CC out of sample |",
+            "|" + "---|" * 7]
+    for res in results:
+        v = verdicts(res, k)
+        rows.append(f"| {res['recipe']} | {v['batches']} | {v['control']} | {v['claim1']} | {v['claim2']} "
+                    f"| {v['claim3']} | {v['cc_oos']} |")
+    return "\n".join(rows)
+
+
 def _model_args(model: str, hf_dir: str) -> tuple[Path, list[str]]:
     if model == "tiny":
         return ROOT / "examples" / "tiny" / "fp8_calibrated.yaml", list(TINY)
@@ -321,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
     (out / "mechanism.json").write_text(json.dumps({"model": args.model, "steps": args.steps, "results": results},
                                                    indent=1))
-    (out / "mechanism.md").write_text(f"# The mechanism, {args.model} model\n\n{summary_table(results, args.steps)}\n")
+    (out / "mechanism.md").write_text(
+        f"# The mechanism, {args.model} model\n\nBatch means per recipe and state:\n\n{summary_table(results, args.steps)}\n"
+        f"\nThe declared rules (docs/reproduction.md) applied:\n\n{verdict_table(results, args.steps)}\n")
     print(out / "mechanism.md")
     return 0
 
