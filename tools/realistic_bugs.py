@@ -17,8 +17,9 @@ tests/unit/test_values_*.py and tests/dist/test_values_*.py, whose name shares a
 module. A module's words: its path under megatron_rl/ split at "/" and "_", without ".py"
 (megatron_rl/algo/calibrated_clip.py -> algo, calibrated, clip; megatron_rl/train.py -> train). A test
 file's words: its name after "test_values_", split at "_", without ".py" and a trailing "dist"
-(test_values_checkpoint_dist.py -> checkpoint). Value tests added later are picked up without editing
-the bug list; a bug whose module shares no word with any of them runs its mapped tests alone.
+(test_values_checkpoint_dist.py -> checkpoint). A value-test file that imports the bug's module (its
+dotted path, or `from <package> import <name>`) runs too. Value tests added later are picked up
+without editing the bug list; a bug whose module shares no word with any of them runs its mapped tests alone.
 With the flag, the value-test files are first run on the unmodified tree: a failure there stops the
 tool (a bug would be "caught" by a test that fails anyway).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -488,11 +490,20 @@ def test_words(path: str) -> set[str]:
     return {w for w in words if w}
 
 
+def imports_module(test_file: str, module_file: str) -> bool:
+    """Whether the test file names the module: its dotted path, or `from <package> import ... <name>`."""
+    dotted = Path(module_file).with_suffix("").as_posix().replace("/", ".")
+    package, _, name = dotted.rpartition(".")
+    text = (ROOT / test_file).read_text()
+    return dotted in text or re.search(rf"from {re.escape(package)} import [^\n]*\b{name}\b", text) is not None
+
+
 def value_tests_for(bug: Bug) -> tuple[str, ...]:
-    """The value-test files present now whose name shares a word with the bug's module."""
+    """The value-test files present now whose name shares a word with the bug's module, or that import it."""
     files = sorted(str(p.relative_to(ROOT)) for g in VALUE_TEST_GLOBS for p in ROOT.glob(g))
     mine = module_words(bug.file)
-    return tuple(f for f in files if mine & test_words(f) and f not in bug.tests)
+    return tuple(f for f in files
+                 if (mine & test_words(f) or imports_module(f, bug.file)) and f not in bug.tests)
 
 
 def _git_clean(path: str) -> bool:
