@@ -18,10 +18,10 @@ import torch
 from megatron_rl import collectives
 from megatron_rl.loop import build, evaluate, phases, preflight, run_folder, signals
 from megatron_rl.loop.best import BestCheckpoint
-from megatron_rl.loop.colocated import ColocatedMemory
+from megatron_rl.loop.colocated import ColocatedMemory, protocol_enabled
 from megatron_rl.config import RunConfig, load_config
 from megatron_rl.telemetry.health import SurgeDetector
-from megatron_rl.cluster.plan import check_fits, is_colocated, job_cluster
+from megatron_rl.cluster.plan import check_fits, job_cluster
 
 log = logging.getLogger("megatron_rl.train")
 
@@ -48,7 +48,7 @@ def _train(cfg: RunConfig) -> dict[str, float]:
     # Only the owner of a server set (the rank with a transport) releases and resumes it: clients
     # of the same servers would release them twice, and SGLang refuses a resume of what is not released.
     owned = run_.engine if run_.sync.transport is not None else None
-    memory = ColocatedMemory(run_.actor, owned, enabled=cfg.train.colocated_protocol and is_colocated(cfg),
+    memory = ColocatedMemory(run_.actor, owned, enabled=protocol_enabled(cfg),
                              barrier_after_sync=run_.sync.wait_for_owners, reference=run_.ref,
                              wait_group=run_.sync.wait_group)
     signals.on_sigterm(run_.rewards.close, *([run_.engine.shutdown] if run_.engine is not None else []))

@@ -378,8 +378,9 @@ FOURTH: list[Bug] = [  # a fourth round, written from the product code alone (an
         "self.actor.offload()", 'self.actor.offload(("grads", "optimizer"))',
         (U + "test_colocated_memory.py", U + "test_sglang_release_tags.py"),
         "after a save between steps the trainer's parameters stay on the device"),
-    Bug("d29", "fourth", "megatron_rl/train.py",
-        "enabled=cfg.train.colocated_protocol and is_colocated(cfg)", "enabled=is_colocated(cfg)",
+    # the decision moved from train.py into loop/colocated.py (protocol_enabled) after this round: the same bug there
+    Bug("d29", "fourth", "megatron_rl/loop/colocated.py",
+        "return bool(cfg.train.colocated_protocol) and is_colocated(cfg)", "return is_colocated(cfg)",
         ("tests/e2e/test_colocated.py", U + "test_phases_run.py"), "train.colocated_protocol=false ignored"),
     Bug("d30", "fourth", "megatron_rl/train.py",
         "if batch is not None or (rollout.batch is not None and memory.enabled):", "if batch is not None:",

@@ -28,12 +28,19 @@ import contextlib
 import time
 
 from megatron_rl import collectives
+from megatron_rl.cluster.plan import is_colocated
 
 GB = 1024**3
 RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang srt/constants.py GPU_MEMORY_TYPE_*
 RESUME_AFTER_SYNC = ("kv_cache", "cuda_graph")
 SAVE_RELEASE_TAGS = ("kv_cache", "cuda_graph")  # a checkpoint save between steps: weights stay
 
+
+
+def protocol_enabled(cfg) -> bool:
+    """The memory protocol runs when asked (train.colocated_protocol) and the engine shares the
+    trainer's devices (the embedded engine, or SGLang in colocated mode)."""
+    return bool(cfg.train.colocated_protocol) and is_colocated(cfg)
 
 class ColocatedMemory:
     """Owns the order of release / offload / resume calls; tracks who holds the device."""

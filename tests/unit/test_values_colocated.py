@@ -12,10 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl import train
-from megatron_rl.cluster.plan import is_colocated
 from megatron_rl.config import load_config
 from megatron_rl.loop import phases
-from megatron_rl.loop.colocated import ColocatedMemory
+from megatron_rl.loop.colocated import ColocatedMemory, protocol_enabled
 
 GB = 1024**3
 
@@ -108,4 +107,30 @@ def test_the_protocol_is_on_for_colocated_engines_when_asked(protocol, engine, m
     cfg = load_config(None, [f"train.colocated_protocol={str(protocol).lower()}", f"rollout.engine={engine}",
                              f"rollout.sglang.mode={mode}",
                              f"rollout.sglang.weight_transport={'tensor' if mode == 'colocated' else 'nccl'}"])
-    assert (cfg.train.colocated_protocol and is_colocated(cfg)) is on
+    assert protocol_enabled(cfg) is on  # what train.run hands ColocatedMemory
+
+
+def test_train_run_hands_the_memory_protocol_the_configured_switch(monkeypatch, tmp_path):
+    """train.run builds ColocatedMemory with protocol_enabled(cfg): off when train.colocated_protocol
+    is false even for the embedded (colocated) engine, on when true."""
+    from megatron_rl import train
+    from megatron_rl.loop import build
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def memory(actor, owned, *, enabled, **kw):
+        seen.append(enabled)
+        raise Stop
+    fake_run = SimpleNamespace(engine=None, sync=SimpleNamespace(transport=None, wait_for_owners=False, wait_group=None),
+                               actor=None, ref=None)
+    monkeypatch.setattr(build, "build_run", lambda cfg: fake_run)
+    monkeypatch.setattr(train, "ColocatedMemory", memory)
+    for flag in (False, True):
+        cfg = load_config(None, [f"train.colocated_protocol={str(flag).lower()}", "rollout.engine=torch",
+                                 f"log.dir={tmp_path / str(flag)}"])
+        with pytest.raises(Stop):
+            train.run(cfg)
+    assert seen == [False, True]
