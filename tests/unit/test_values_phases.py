@@ -261,3 +261,36 @@ def test_advantages_of_the_trained_rows_for_every_estimator_x_dynamic_sampling_x
     assert got == pytest.approx(expected, abs=1e-4)
     if dapo:
         assert m["dapo/kept_groups"] == len(kept) and m["dapo/kept_fraction"] == len(kept) / 4
+
+
+def _stale_loss(mb, forced: bool, shift: float, tis: bool = False) -> float:
+    """Token-mean PPO loss of a mini-batch whose old log-probs sit `shift` above the trainer's (and the
+    rollout's): r = exp(-shift) everywhere, or exactly 1 where the ratio is forced; with TIS, times
+    w = pi_old / pi_rollout capped at 2 (exp(shift), or 1 where forced: pi_old is the forward's own)."""
+    r = 1.0 if forced else math.exp(-shift)
+    w = min(math.exp(shift), 2.0) if tis and not forced else 1.0
+    mask, adv = mb["loss_mask"], mb["advantages"]
+    per_token = torch.where(adv >= 0, -r * adv, -torch.maximum(torch.tensor(r), torch.tensor(0.8)) * adv)
+    return float((w * per_token * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("epochs, num_mb, tis", [(2, 2, False), (3, 1, False), (2, 2, True)])
+def test_a_forced_on_policy_ratio_is_used_by_the_first_update_of_the_step_only(epochs, num_mb, tis):
+    """algo.force_on_policy_ratio: the first mini-batch of the FIRST epoch trains on r = 1; every
+    later update (the next mini-batches, and the first mini-batch of later epochs) on pi / pi_old."""
+    cfg = _cfg("rollout.n_samples_per_prompt=4", f"data.prompts_per_step={len(GROUPS)}", "algo.force_on_policy_ratio=true",
+               f"train.num_mini_batches={num_mb}", f"train.ppo_epochs={epochs}", "train.micro_batch_size=8",
+               "algo.loss_agg_mode=token-mean", f"algo.use_tis={str(tis).lower()}", "algo.tis_clip=2.0")
+    run = toy_run(cfg, rewards=RUNNER)
+    rollout = phases.generate(run, prompts(run.tokenizer, GROUPS), step=0)
+    batch = phases.prepare(run, rollout.batch, 0, dict(rollout.metrics))
+    shift = 0.5  # stale old log-probs: r = exp(-0.5) = 0.61, below L = 0.8
+    batch["old_logprobs"] = batch["old_logprobs"] + shift
+    phases.update_policy(run, batch, 0)
+    calls = run.actor.calls
+    assert len(calls) == epochs * num_mb
+    for n, c in enumerate(calls):
+        expected = _stale_loss(c["batch"], n == 0, shift, tis)
+        assert c["loss"] == pytest.approx(expected, abs=1e-6), n
+    # the first mini-batch of the second epoch is not forced (its forced loss would differ)
+    assert _stale_loss(calls[num_mb]["batch"], True, shift, tis) != pytest.approx(calls[num_mb]["loss"], abs=1e-6)
