@@ -206,6 +206,17 @@ def test_rng_is_restored_per_rank_and_falls_back_to_rank0(tmp_path):
     assert state["step"] == 1 and state["sync_version"] == 1
 
 
+def test_ranks_beyond_the_saved_ones_take_rank0s_rng_not_a_wrapped_one(tmp_path):
+    """Saved on 2 ranks, resumed on 4: ranks 0 and 1 take their own RNG, ranks 2 and 3 rank 0's
+    (rank 3 would take rank 1's under a modulo); resumed on 1: rank 0's."""
+    folder = tmp_path / "step_000003"
+    folder.mkdir()
+    torch.save({"step": 3, "rng": [torch.tensor([10]), torch.tensor([11])]}, folder / "rl_state.pt")
+    got = {(world, rank): int(Checkpointer._load_rl_state(folder, SimpleNamespace(rank=rank, world_size=world))["rng"])
+           for world in (1, 2, 4) for rank in range(world)}
+    assert got == {(1, 0): 10, (2, 0): 10, (2, 1): 11, (4, 0): 10, (4, 1): 11, (4, 2): 10, (4, 3): 10}
+
+
 def test_hf_files_are_copied_into_the_step_folder(tmp_path):
     hf = tmp_path / "hf_src"
     hf.mkdir()
