@@ -10,9 +10,10 @@ A bug is caught when any of its mapped test files fails. Only those files run (a
 a bug that only some other test would catch counts as missed. `round` says when the bug was
 written: before the tests of issue 42 ("before"), after the first of them ("after"), after all of
 them ("third"), or from the product code alone while a further set of value tests was being written,
-without looking at them ("fourth": an independent measure).
+without looking at them ("fourth": an independent measure), or from the product code alone after
+that wave's tests had landed ("fifth": the same kind of measure, later).
 
---with-value-tests (round "fourth" only): a bug also runs every value-test file present at run time,
+--with-value-tests (rounds "fourth" and "fifth" only): a bug also runs every value-test file present at run time,
 tests/unit/test_values_*.py and tests/dist/test_values_*.py, whose name shares a word with the bug's
 module. A module's words: its path under megatron_rl/ split at "/" and "_", without ".py"
 (megatron_rl/algo/calibrated_clip.py -> algo, calibrated, clip; megatron_rl/train.py -> train). A test
@@ -472,8 +473,139 @@ FOURTH: list[Bug] = [  # a fourth round, written from the product code alone (an
 ]
 BUGS += FOURTH
 
+FIFTH: list[Bug] = [  # a fifth round, written from the product code alone after the wave's tests landed
+    # ---- loop/
+    Bug("e01", "fifth", "megatron_rl/loop/refill.py",
+        "    if kept >= target:\n        return False", "    if kept > target:\n        return False",
+        (U + "test_refill_plan.py",), "refill samples one more round when exactly the target groups were kept"),
+    Bug("e02", "fifth", "megatron_rl/loop/sampling.py",
+        "knobs.update({k: v for k, v in (overrides or {}).items() if v is not None})",
+        "knobs.update({k: v for k, v in (overrides or {}).items() if v})",
+        (U + "test_eval_sampling.py",), "an eval set's temperature 0 (greedy) override dropped for the rollout's"),
+    Bug("e03", "fifth", "megatron_rl/loop/phases.py",
+        "counts[run.parallel.dp_rank] = float(keep.sum()) / n", "counts[run.parallel.dp_rank] = float(keep.sum())",
+        (U + "test_phases_run.py", U + "test_refill_plan.py", "tests/e2e/test_refill.py"),
+        "dynamic sampling counts kept rows as kept groups: refill stops with 1/n of the target"),
+    Bug("e04", "fifth", "megatron_rl/loop/phases.py",
+        "one = cfg.train.ppo_epochs * cfg.train.num_mini_batches == 1", "one = cfg.train.num_mini_batches == 1",
+        (U + "test_phases_losses.py", U + "test_phases_run.py", U + "test_algo_force_on_policy.py"),
+        "force_on_policy_ratio skips the old-log-prob forward with one mini-batch but several PPO epochs"),
+    Bug("e05", "fifth", "megatron_rl/loop/evaluate.py",
+        "        if name not in self.runners:\n"
+        "            self.runners[name] = build.build_rewards(self.run.cfg, name)\n"
+        "        return self.runners[name]",
+        "        if not self.runners:\n"
+        "            self.runners[name] = build.build_rewards(self.run.cfg, name)\n"
+        "        return next(iter(self.runners.values()))",
+        (U + "test_eval_sampling.py", "tests/e2e/test_eval.py"),
+        "one reward runner cached for every eval set: the first set's reward scores the others"),
+    Bug("e06", "fifth", "megatron_rl/loop/evaluate.py",
+        '"max_new_tokens": d.max_new_tokens or None,', '"max_new_tokens": d.max_new_tokens,',
+        (U + "test_eval_sampling.py", U + "test_config_eval.py"),
+        "an eval set without max_new_tokens (0) asks for 0 new tokens instead of the rollout's"),
+    Bug("e07", "fifth", "megatron_rl/loop/best.py",
+        "if step < 1 or self._pending is None", "if step < 0 or self._pending is None",
+        (U + "test_eval_bookkeeping.py",), "the at_start score becomes best at step 0, which has no checkpoint"),
+    Bug("e08", "fifth", "megatron_rl/loop/checkpoint.py",
+        "            shutil.rmtree(final, ignore_errors=True)\n            os.replace(tmp, final)",
+        "            os.replace(tmp, final)",
+        (U + "test_checkpoint_faults.py", U + "test_checkpoint_retention.py"),
+        "a step folder left by a kill before `latest` moved makes the re-save of that step fail"),
+    Bug("e09", "fifth", "megatron_rl/loop/run_folder.py",
+        '    if c.overwrite:\n        return "overwrite"\n'
+        '    hint = "pass --overwrite (checkpoint.overwrite=true) to delete it, or choose another log.dir"\n'
+        "    if c.resume is False:\n"
+        "        raise ValueError(f\"config key 'checkpoint.resume': false, but log.dir {log_dir} holds a run; {hint}\")\n",
+        '    hint = "pass --overwrite (checkpoint.overwrite=true) to delete it, or choose another log.dir"\n'
+        "    if c.resume is False:\n"
+        "        raise ValueError(f\"config key 'checkpoint.resume': false, but log.dir {log_dir} holds a run; {hint}\")\n"
+        '    if c.overwrite:\n        return "overwrite"\n',
+        (U + "test_run_folder.py",), "checkpoint.resume=false with --overwrite refuses the folder instead of overwriting"),
+    Bug("e10", "fifth", "megatron_rl/loop/preflight.py",
+        '        if e.reward:\n            _check(get_reward_fn, e.reward, f"{key}.reward")\n', "",
+        (U + "test_preflight.py",), "a misspelt eval dataset reward passes preflight (fails after the actor is built)"),
+    Bug("e11", "fifth", "megatron_rl/loop/signals.py",
+        "        if byte == bytes([signal.SIGTERM]):  # another handled signal (SIGINT, SIGUSR1): not ours\n",
+        "        if byte != bytes([signal.SIGINT]):  # SIGINT is KeyboardInterrupt's\n",
+        (U + "test_signals.py", "tests/e2e/test_stop_signal.py"),
+        "the SIGTERM watcher exits 143 on a SIGUSR1 stop request too"),
+    Bug("e27", "fifth", "megatron_rl/loop/evaluate.py",
+        'if not name.startswith("maj@") or total[-1] > 0}', 'if not name.startswith("maj@") or has_preds}',
+        (U + "test_eval_sampling.py",),
+        "maj@k kept or dropped by each rank's own shard, not by the reduced count of ranks with predictions"),
+    # ---- algo/
+    Bug("e12", "fifth", "megatron_rl/algo/advantages.py",
+        "sums = torch.stack([n.sum(), (n * centred).sum(), (n * centred.square()).sum()])",
+        "sums = torch.stack([n.sum(), centred.sum(), (n * centred.square()).sum()])",
+        (U + "test_algo_advantages.py",), "REINFORCE++ whitening mean over samples, not token-weighted"),
+    Bug("e13", "fifth", "megatron_rl/algo/eval_metrics.py",
+        "            out[name] = avg_at_k(rewards)", "            out[name] = avg_at_k(rewards[:k])",
+        (U + "test_eval_metrics.py",), "avg@k averages the first k samples, not all n"),
+    Bug("e14", "fifth", "megatron_rl/algo/loss_spec.py",
+        "if s.eps_clip_c is not None and not s.eps_clip_c > 1.0:", "if s.eps_clip_c is not None and s.eps_clip_c < 1.0:",
+        (U + "test_algo_loss_spec.py",), "LossSpec accepts dual-clip c = 1"),
+    Bug("e15", "fifth", "megatron_rl/algo/policy_loss.py",
+        '"clip/high_pos": metric((clips.high & valid).sum(), pos.sum()),',
+        '"clip/high_pos": metric((clips.high & valid).sum(), valid.sum()),',
+        (U + "test_algo_policy_loss.py", U + "test_algo_loss_modes.py"),
+        "clip/high_pos over every token, not the A > 0 ones"),
+    Bug("e16", "fifth", "megatron_rl/algo/calibrated_clip.py",
+        "eps_low, eps_high = (algo.eps_clip, algo.eps_clip_high) if clipped else (0.2, 0.2)",
+        "eps_low, eps_high = (algo.eps_clip, algo.eps_clip) if clipped else (0.2, 0.2)",
+        (U + "test_algo_calibrated_clip.py", U + "test_algo_calibrated_clip_sequence.py", U + "test_phases_calib.py"),
+        "the calibration's BF16 bounds ignore algo.eps_clip_high (clip-higher)"),
+    # ---- telemetry/
+    Bug("e17", "fifth", "megatron_rl/telemetry/health.py",
+        "        if garbled is not None:\n            self.garbled.add",
+        "        if garbled is not None and step >= self.warmup_steps:\n            self.garbled.add",
+        (U + "test_health.py",), "the garbled-output streak waits for health.warmup_steps"),
+    Bug("e18", "fifth", "megatron_rl/telemetry/stats.py",
+        "for a in range(low, high + 1) if", "for a in range(low, high) if",
+        (U + "test_stats.py",), "Fisher's test leaves out the last table with the margins"),
+    # ---- rewards/
+    Bug("e19", "fifth", "megatron_rl/rewards/functions.py",
+        "return sum(r == a for r, a in zip(response, answer)) / longest",
+        "return sum(r == a for r, a in zip(response, answer)) / max(len(answer), 1)",
+        (U + "test_rewards_functions.py",), "position_match over the answer's length: a longer response loses nothing"),
+    Bug("e20", "fifth", "megatron_rl/rewards/user.py",
+        'name = "megatron_rl_user_reward_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]',
+        'name = "megatron_rl_user_reward_" + file.stem',
+        (U + "test_rewards_user.py",), "two reward files of the same name in two folders share one module"),
+    # ---- data/
+    Bug("e21", "fifth", "megatron_rl/data/datasets.py",
+        'if self.fmt.system_prompt and messages[0]["role"] != "system":', "if self.fmt.system_prompt:",
+        (U + "test_data_datasets.py", U + "test_data_knobs.py"),
+        "data.system_prompt added before a message list that has its own system message"),
+    Bug("e22", "fifth", "megatron_rl/data/datasets.py",
+        "if len(ids) > self.max_prompt_len:", "if len(ids) >= self.max_prompt_len:",
+        (U + "test_data_datasets.py", U + "test_data_knobs.py"), "a prompt of exactly max_prompt_len tokens skipped"),
+    # ---- config/
+    Bug("e23", "fifth", "megatron_rl/config/eval.py",
+        "        if d.name in names:\n"
+        "            raise ValueError(f\"config key 'eval.datasets[{i}].name': {d.name!r} is used twice\")\n", "",
+        (U + "test_config_eval.py",), "two eval datasets of one name accepted: one's metrics overwrite the other's"),
+    Bug("e24", "fifth", "megatron_rl/config/algo.py",
+        "if a.force_on_policy_ratio and (c.enabled or c.diagnose) and t.ppo_epochs",
+        "if a.force_on_policy_ratio and c.enabled and t.ppo_epochs",
+        (U + "test_config_losses.py", U + "test_config.py"),
+        "force_on_policy_ratio x calib.diagnose with one mini-batch accepted (the diagnosis sees ratio 1)"),
+    # ---- train.py
+    Bug("e25", "fifth", "megatron_rl/train.py",
+        '                f.write(f"{step + 1}\\n")', '                f.write(f"{step}\\n")',
+        ("tests/e2e/test_stop_request.py", "tests/e2e/test_stop_signal.py"),
+        "MEGATRON_RL_STOP_FILE names the stopped step, not the checkpoint's step"),
+    Bug("e26", "fifth", "megatron_rl/train.py",
+        "    source = next(asdict(d) for d in run_.cfg.eval.datasets if d.name == name)\n"
+        "    return BestCheckpoint(run_.checkpointer.root, keep, enabled=run_.is_log_rank, source=source)",
+        "    return BestCheckpoint(run_.checkpointer.root, keep, enabled=run_.is_log_rank)",
+        (U + "test_eval_bookkeeping.py", "tests/e2e/test_eval.py"),
+        "the best record is not tied to the eval set's settings: a resume on other problems continues it"),
+]
+BUGS += FIFTH
+
 
 VALUE_TEST_GLOBS = ("tests/unit/test_values_*.py", "tests/dist/test_values_*.py")
+VALUE_TEST_ROUNDS = ("fourth", "fifth")  # the rounds --with-value-tests extends
 
 
 def module_words(path: str) -> set[str]:
@@ -559,26 +691,26 @@ def run_bug(bug: Bug, timeout: int, old_tests_only: bool = False, value_tests: t
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*")
-    p.add_argument("--round", choices=("before", "after", "third", "fourth"))
+    p.add_argument("--round", choices=("before", "after", "third", "fourth", "fifth"))
     p.add_argument("--list", action="store_true")
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--out", default="realistic_bugs.json")
     p.add_argument("--old-tests-only", action="store_true", help="run only the test files that predate issue 42")
     p.add_argument("--with-value-tests", action="store_true",
-                   help="round fourth: also run the test_values_* files sharing a word with the bug's module")
+                   help="rounds fourth and fifth: also run the test_values_* files sharing a word with the bug's module")
     a = p.parse_args()
     bugs = [b for b in BUGS if (not a.only or b.id in a.only) and (not a.round or b.round == a.round)]
     if a.list:
         for b in bugs:
-            extra = value_tests_for(b) if a.with_value_tests and b.round == "fourth" else ()
+            extra = value_tests_for(b) if a.with_value_tests and b.round in VALUE_TEST_ROUNDS else ()
             print(f"{b.id} {b.round:6} {b.file}: {b.what}" + (f" [+ {', '.join(extra)}]" if extra else ""))
         return
     results = []
     t0 = time.time()
     if a.with_value_tests:
-        check_clean(sorted({f for b in bugs if b.round == "fourth" for f in value_tests_for(b)}), a.timeout)
+        check_clean(sorted({f for b in bugs if b.round in VALUE_TEST_ROUNDS for f in value_tests_for(b)}), a.timeout)
     for bug in bugs:
-        extra = value_tests_for(bug) if a.with_value_tests and bug.round == "fourth" else ()
+        extra = value_tests_for(bug) if a.with_value_tests and bug.round in VALUE_TEST_ROUNDS else ()
         results.append(run_bug(bug, a.timeout, a.old_tests_only, extra))
         print(json.dumps(results[-1]), flush=True)
     caught = sum(r["status"] == "caught" for r in results)
