@@ -1,7 +1,8 @@
 """Decisions every rank must take alike, on 2 real gloo processes with the trigger on ONE rank:
 a stop request (rank 0's view decides, whichever rank sees the file), the metric payload of ranks
 that built their metric dicts in different orders, and eval numbers over ranks holding different
-numbers of problems and samples (sums, not means of means). One launch runs all three."""
+numbers of problems and samples (sums, not means of means), and the resumed surge detector (rank
+0 holds the log). One launch runs all four."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ def _stop_decisions(rank: int, tmp: str) -> list:
                                save_due=lambda step: True, checkpointer=SimpleNamespace(wait=lambda: saves.append(1)))
         out.append((train._stop_after(run_, 2, None), train._stop_after(run_, 4, None), signals.stop_requested()))
     return out
+
+
+def _detector_after_resume(rank: int) -> dict:
+    """The resumed surge detector: only rank 0's logger holds the steps before the resume."""
+    from megatron_rl import train
+    from megatron_rl.config import load_config
+
+    history = [{"step": s, "entropy": e} for s, e in enumerate([1.0, 0.8, 1.3, 1.4, 1.5])]
+    run_ = SimpleNamespace(cfg=load_config(None), is_log_rank=rank == 0,
+                           logger=SimpleNamespace(history=history if rank == 0 else []))
+    return train._surge_detector(run_).update(5, {"entropy": 1.6})
 
 
 def _worker(rank: int, world_size: int, tmp: str) -> dict:
@@ -60,7 +72,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         rows = [{"rewards": [0.0, 0.0], "preds": [None] * 2, "lengths": [8, 8], "truncated": [False, False],
                  "garbled": None}] * 2
     evals = _reduce(run, s, rows, [rank, 0])
-    return {"stops": stops, "metrics": metrics, "eval": evals}
+    return {"stops": stops, "metrics": metrics, "eval": evals, "health": _detector_after_resume(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +105,13 @@ def test_eval_numbers_are_sums_over_the_ranks_problems_and_samples(results):
         assert e["response_length/max"] == 8.0
         assert e["truncated_rate"] == pytest.approx(1 / 6)
         assert e["reward_errors"] == 1.0  # rank 1's one error, counted once on both ranks
+
+
+def test_a_resumed_surge_detector_carries_rank_zeros_history_to_every_rank(results):
+    """entropy 1.0, 0.8, 1.3, 1.4, 1.5 logged before the resume, then 1.6: minimum 0.8, rise
+    1.6 / 0.8 - 1 = 1.0, and steps 2-5 each rose >= 0.5 over the minimum: a streak of 4 (patience 10:
+    no surge yet). Rank 1 logged nothing itself and must agree."""
+    ranks, _ = results
+    expected = {"health/entropy_min": 0.8, "health/entropy_rise": 1.0, "health/rise_streak": 4.0, "health/surge": 0.0}
+    for r in ranks:
+        assert r["health"] == pytest.approx(expected)

@@ -102,3 +102,21 @@ def test_other_ranks_decide_but_never_delete(tmp_path):
     log_dir = _saved_run(tmp_path / "run")
     cfg = run_folder.prepare_log_dir(_cfg(log_dir, "checkpoint.overwrite=true"), rank=1)
     assert cfg.checkpoint.resume is False and (log_dir / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize("resume", ["auto", "false"])
+@pytest.mark.parametrize("same_config", [True, False])
+def test_overwrite_wins_over_every_resume_setting_and_any_saved_config(tmp_path, resume, same_config):
+    """checkpoint.overwrite crossed with checkpoint.resume (true and overwrite are refused at load)
+    and with a saved config that matches or not: overwrite always overwrites; without it, false
+    refuses, auto resumes the same run and refuses another."""
+    log_dir = _saved_run(tmp_path / "run", "train.num_steps=4")
+    other = [] if same_config else ["precision.train_recipe=tensorwise"]
+    assert run_folder.decide(_cfg(log_dir, "train.num_steps=4", f"checkpoint.resume={resume}",
+                                  "checkpoint.overwrite=true", *other)) == "overwrite"
+    plain = _cfg(log_dir, "train.num_steps=4", f"checkpoint.resume={resume}", *other)
+    if resume == "auto" and same_config:
+        assert run_folder.decide(plain) == "resume"
+    else:
+        with pytest.raises(ValueError, match="resume': false|holds another run"):
+            run_folder.decide(plain)
