@@ -174,6 +174,10 @@ def _activations(*overrides, cuda=True):
      36 * 2 / 2 + 1 * (18 + 4 * 3) / 2 + (8 / 4096 + 1) / 2),
     (["parallel.sequence_parallel=false", "parallel.recompute_granularity=full", "parallel.recompute_num_layers=4"],
      36 * 2 + 4 * (10 + 24 / 2) + (8 / 4096 + 1) / 2),
+    # a chunk larger than the stage (PP 2: 18 layers) recomputes the stage's 18 layers, not 24
+    (["parallel.sequence_parallel=true", "parallel.recompute_granularity=full", "parallel.recompute_num_layers=24",
+      "parallel.pipeline_model_parallel_size=2"],
+     2 * (18 * 2 / 2 + 18 * (18 + 4 * 3) / 2 + (8 / 4096 + 1) / 2)),
     # PP 2: 18 layers a stage, and the first stage holds 2 micro-batches in flight (1F1B)
     (["parallel.sequence_parallel=true", "parallel.pipeline_model_parallel_size=2"],
      2 * (18 * (18 + 4 * 3) / 2 + (8 / 4096 + 1) / 2)),
