@@ -19,7 +19,8 @@ module. A module's words: its path under megatron_rl/ split at "/" and "_", with
 (megatron_rl/algo/calibrated_clip.py -> algo, calibrated, clip; megatron_rl/train.py -> train). A test
 file's words: its name after "test_values_", split at "_", without ".py" and a trailing "dist"
 (test_values_checkpoint_dist.py -> checkpoint). A value-test file that imports the bug's module (its
-dotted path, or `from <package> import <name>`) runs too. Value tests added later are picked up
+dotted path, or `from <package> import <name>`), itself or through a harness of tests/doubles it
+imports, runs too. Value tests added later are picked up
 without editing the bug list; a bug whose module shares no word with any of them runs its mapped tests alone.
 With the flag, the value-test files are first run on the unmodified tree: a failure there stops the
 tool (a bug would be "caught" by a test that fails anyway).
@@ -628,6 +629,10 @@ def imports_module(test_file: str, module_file: str) -> bool:
     dotted = Path(module_file).with_suffix("").as_posix().replace("/", ".")
     package, _, name = dotted.rpartition(".")
     text = (ROOT / test_file).read_text()
+    # and the harnesses it drives the module through (tests/doubles/<name>.py imported by name)
+    for helper in re.findall(r"^from (\w+) import", text, flags=re.M):
+        double = ROOT / "tests" / "doubles" / f"{helper}.py"
+        text += double.read_text() if double.is_file() else ""
     return dotted in text or re.search(rf"from {re.escape(package)} import [^\n]*\b{name}\b", text) is not None
 
 
