@@ -295,15 +295,14 @@ def verdicts(res: dict, k: int) -> dict[str, str]:
         out["claim3"] = "noise, not bias"
     pairs = [o for o in res["calibrated_oos"] if o["calibrated"]["neg_tokens"] > 0]
 
-    def closer(o) -> bool:
-        c, d = o["calibrated"], o["default"]
-        return abs(c["below_fp"] - c["below_bf16"]) < abs(d["below_fp"] - d["below_bf16"])
+    def gap(x) -> float:  # how far the share below L is from BF16's below 0.8, and the wrong clips
+        return abs(x["below_fp"] - x["below_bf16"]), x["false_low"] + x["missed_low"]
 
-    def fewer(o) -> bool:
-        c, d = o["calibrated"], o["default"]
-        return c["false_low"] + c["missed_low"] < d["false_low"] + d["missed_low"]
-    better = [closer(o) and fewer(o) for o in pairs]
-    worse = [not closer(o) and not fewer(o) for o in pairs]
+    def both(o, cmp) -> bool:  # strictly, on both counts: equal bounds are neither better nor worse
+        (c_gap, c_wrong), (d_gap, d_wrong) = gap(o["calibrated"]), gap(o["default"])
+        return cmp(c_gap, d_gap) and cmp(c_wrong, d_wrong)
+    better = [both(o, lambda a, b: a < b) for o in pairs]
+    worse = [both(o, lambda a, b: a > b) for o in pairs]
     n = len(res["calibrated_oos"])
     if _most(better):
         out["cc_oos"] = f"better than the default L ({sum(better)} of {len(pairs)} pairs)"

@@ -102,6 +102,9 @@ def test_calibrated_bounds_are_judged_only_on_pairs_whose_scored_batch_has_negat
     assert verdicts({"batches": [], "calibrated_oos": [worse, worse, better]}, 2)["cc_oos"].startswith("worse")
     assert verdicts({"batches": [], "calibrated_oos": [better, unscorable]}, 2)["cc_oos"] == (
         "not decided: better in 1, worse in 0 of 1 scorable pairs (2 in all)")
+    # the default L kept (a calibration that could not move it): neither better nor worse
+    same = _pair((0.13, 0.02, 0.11, 0.01), (0.13, 0.02, 0.11, 0.01))
+    assert verdicts({"batches": [], "calibrated_oos": [same, same]}, 2)["cc_oos"].startswith("not decided: better in 0, worse in 0")
     # closer but with more false + missed clips is neither better nor worse
     mixed = _pair((0.03, 0.02, 0.2, 0.2), (0.13, 0.02, 0.11, 0.01))
     assert verdicts({"batches": [], "calibrated_oos": [mixed, mixed]}, 2)["cc_oos"].startswith("not decided: better in 0, worse in 0")
