@@ -232,7 +232,9 @@ def summary_table(results: list[dict], k: int) -> str:
             "| default L on those tokens: false / missed |", "|" + "---|" * 9]
     for res in results:
         for state in ("step0", "step1", f"step{k}"):
-            recs = [b[state] for b in res["batches"]]
+            # the batches the declared rules count (with A<0 tokens); all of them when none has any
+            counted = [b for b in res["batches"] if b["step0"]["clip"]["neg_tokens"] > 0] or res["batches"]
+            recs = [b[state] for b in counted]
 
             def m(*path):
                 vals = []
@@ -385,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "mechanism.json").write_text(json.dumps({"model": args.model, "steps": args.steps, "results": results},
                                                    indent=1))
     (out / "mechanism.md").write_text(
-        f"# The mechanism, {args.model} model\n\nBatch means per recipe and state:\n\n{summary_table(results, args.steps)}\n"
+        f"# The mechanism, {args.model} model\n\nMeans per recipe and state over the batches with A<0 tokens:\n\n{summary_table(results, args.steps)}\n"
         f"\nThe declared rules (docs/reproduction.md) applied:\n\n{verdict_table(results, args.steps)}\n")
     print(out / "mechanism.md")
     return 0
