@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.telemetry.logger import MetricsLogger, step_line
+from megatron_rl.telemetry.logger import step_line
 
 wandb = pytest.importorskip("wandb") if os.environ.get("CI") != "true" else __import__("wandb")
 
@@ -42,15 +42,29 @@ def _history(run_file: Path) -> list[dict]:
     return rows
 
 
-def test_offline_run_has_the_tensorboard_keys(tmp_path, monkeypatch):
+_LOG_TWO_STEPS = """
+import json, sys
+from megatron_rl.telemetry.logger import MetricsLogger
+logger = MetricsLogger(sys.argv[1], tensorboard=True, progress=False, total_steps=2,
+                       wandb={"project": "p", "name": "n", "mode": "offline"})
+for step, metrics in enumerate(json.loads(sys.argv[2])):
+    logger.log(step, metrics)
+logger.close()
+"""
+
+
+def test_offline_run_has_the_tensorboard_keys(tmp_path):
+    """In a fresh process, as a training run is: W&B keeps process-wide state (its service and the
+    current run), which a test process that ran hundreds of other tests does not start from."""
+    import subprocess
+    import sys
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = MetricsLogger(tmp_path, tensorboard=True, progress=False, total_steps=2,
-                           wandb={"project": "p", "name": "n", "mode": "offline"})
-    for step, metrics in enumerate(STEPS):
-        logger.log(step, metrics)
-    logger.close()
+    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", _LOG_TWO_STEPS, str(tmp_path), json.dumps(STEPS)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     rows = _history(run_file)
     tb = EventAccumulator(str(tmp_path / "tb"))
