@@ -2,57 +2,38 @@
 boundaries, a server that times out, and containment in the RewardRunner."""
 
 import json
-import threading
+import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from megatron_rl.rewards import HttpReward, RewardRunner
 from megatron_rl.rewards.http import RewardServerError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
+from loopback_http import LoopbackHttp, send_json  # noqa: E402
 
-class Server:
+
+class Server(LoopbackHttp):
     """Answers POSTs by script: each entry is "ok", an HTTP status int, "slow" (sleeps past the
     client timeout) or "bad_json"; after the script it answers "ok". Records every request body."""
 
     def __init__(self, script=()):
-        self.script, self.bodies = list(script), []
-        outer = self
+        self.script = list(script)
+        super().__init__(self._respond)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.bodies.append(body)
-                action = outer.script.pop(0) if outer.script else "ok"
-                if action == "slow":
-                    time.sleep(10.0)
-                if isinstance(action, int):
-                    self.send_response(action)
-                    self.end_headers()
-                    return
-                payload = b"not json" if action == "bad_json" else json.dumps({"rewards": [
-                    {"score": float(r == a), "len": float(len(r)), "pred": r} if e.get("dict") else float(r == a)
-                    for r, a, e in zip(body["responses"], body["answers"], body["extra"])]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                try:
-                    self.wfile.write(payload)
-                except BrokenPipeError:  # the client gave up (timeout)
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads, self.httpd.block_on_close = True, False  # close does not wait out "slow"
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def _respond(self, handler, body):
+        action = self.script.pop(0) if self.script else "ok"
+        if action == "slow":
+            time.sleep(10.0)
+        if isinstance(action, int):
+            handler.send_response(action)
+            handler.end_headers()
+            return
+        send_json(handler, b"not json" if action == "bad_json" else json.dumps({"rewards": [
+            {"score": float(r == a), "len": float(len(r)), "pred": r} if e.get("dict") else float(r == a)
+            for r, a, e in zip(body["responses"], body["answers"], body["extra"])]}).encode())
 
 
 @pytest.fixture()

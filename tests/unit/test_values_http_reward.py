@@ -7,9 +7,10 @@ error (a whole batch after the last attempt, one sample for one bad value). Expe
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,50 +22,31 @@ from megatron_rl.loop.sampling import score_texts
 from megatron_rl.rewards import http as http_mod
 from megatron_rl.rewards.http import HttpReward, RewardServerError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
+from loopback_http import LoopbackHttp, send_json  # noqa: E402
+
 pytestmark = pytest.mark.timeout(60)
 
 
-class Server:
+class Server(LoopbackHttp):
     """Scores each response as float(len(response)) unless the request's first extra row says
     otherwise: {"delay": s} sleeps s seconds first, {"status": code} answers that code,
     {"reply": obj} answers obj. Records bodies in arrival order and the order replies were sent."""
 
     def __init__(self, script=()):
-        self.bodies, self.sent, self.script = [], [], list(script)
-        outer = self
+        self.sent, self.script = [], list(script)
+        super().__init__(self._respond)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.bodies.append(body)
-                action = outer.script.pop(0) if outer.script else (body["extra"][0] if body["extra"] else {})
-                time.sleep(action.get("delay", 0.0))
-                if "status" in action:
-                    self.send_response(action["status"])
-                    self.end_headers()
-                    return
-                reply = action.get("reply", {"rewards": [float(len(r)) for r in body["responses"]]})
-                payload = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                try:
-                    self.wfile.write(payload)
-                    outer.sent.append(body["responses"][0] if body["responses"] else None)
-                except BrokenPipeError:
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads, self.httpd.block_on_close = True, False
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def _respond(self, handler, body):
+        action = self.script.pop(0) if self.script else (body["extra"][0] if body["extra"] else {})
+        time.sleep(action.get("delay", 0.0))
+        if "status" in action:
+            handler.send_response(action["status"])
+            handler.end_headers()
+            return
+        reply = action.get("reply", {"rewards": [float(len(r)) for r in body["responses"]]})
+        if send_json(handler, json.dumps(reply).encode()):
+            self.sent.append(body["responses"][0] if body["responses"] else None)
 
 
 @pytest.fixture()
